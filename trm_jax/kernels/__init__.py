@@ -1,0 +1,8 @@
+"""Attention kernels and the visibility description they share."""
+from trm_jax.kernels.attention import attention
+from trm_jax.kernels.attention_ref import attention_reference
+from trm_jax.kernels.visibility import (NEVER_EVICTED, LayerVisibility, Visibility,
+                                        visible_mask)
+
+__all__ = ["attention", "attention_reference", "NEVER_EVICTED", "LayerVisibility",
+           "Visibility", "visible_mask"]

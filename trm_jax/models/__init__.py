@@ -1,0 +1,1 @@
+"""trm_jax.models."""
