@@ -1,0 +1,300 @@
+"""Objectives: on-policy gradients equal REINFORCE, masking, clipping, aggregation, numerics."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trm_jax.rl import objectives as obj
+
+B, T = 4, 6
+HPARAMS = {
+    "trm_surrogate": {},
+    "ppo_clip": dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0),
+    "tis": dict(tis_cap=2.0),
+    "token_mask": dict(tau=0.5),
+}
+MAX_LEN = 8
+
+
+def _batch(seed=0):
+  rng = np.random.default_rng(seed)
+  logp = jnp.asarray(np.log(rng.uniform(0.05, 0.95, (B, T))), jnp.float32)
+  lengths = np.array([6, 3, 1, 4])
+  start = np.array([0, 2, 1, 0])                    # prompt tokens before the response
+  idx = np.arange(T)[None]
+  rm = ((idx >= start[:, None]) & (idx < (start + lengths)[:, None])).astype(np.float32)
+  return dict(
+      logp=logp,
+      advantages=jnp.asarray(rng.normal(size=(B,)), jnp.float32),
+      response_mask=jnp.asarray(rm),
+      seq_mask=jnp.asarray([1.0, 0.0, 1.0, 1.0]),
+  )
+
+
+def _kw(name, loss_agg):
+  return dict(loss_agg=loss_agg, max_len=MAX_LEN if loss_agg.endswith("norm") else None,
+              **HPARAMS[name])
+
+
+def _reinforce(logp_theta, b, loss_agg, normalizer=None):
+  """agg(-A log pi_theta) with the same weights: the gradient every objective must match."""
+  w = b["response_mask"] * b["seq_mask"][:, None]
+  return obj.aggregate(-b["advantages"][:, None] * logp_theta, w, b["response_mask"],
+                       loss_agg=loss_agg, normalizer=normalizer,
+                       max_len=MAX_LEN if loss_agg.endswith("norm") else None)
+
+
+CASES = list(itertools.product(sorted(obj.OBJECTIVES), obj.LOSS_AGG_MODES))
+
+
+@pytest.mark.parametrize("name,loss_agg", CASES)
+def test_on_policy_gradient_equals_reinforce_wrt_logp(name, loss_agg):
+  b = _batch()
+  extra = {"logp_old": b["logp"]} if name == "ppo_clip" else {}
+
+  def loss(lt):
+    return obj.compute_loss(name, logp_theta=lt, logp_roll=b["logp"], advantages=b["advantages"],
+                            response_mask=b["response_mask"], seq_mask=b["seq_mask"],
+                            **extra, **_kw(name, loss_agg))[0]
+
+  g = jax.grad(loss)(b["logp"])
+  g_ref = jax.grad(lambda lt: _reinforce(lt, b, loss_agg))(b["logp"])
+  assert np.abs(np.asarray(g_ref)).max() > 0
+  np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ref))
+
+
+@pytest.mark.parametrize("name,loss_agg", CASES)
+def test_on_policy_gradient_equals_reinforce_through_tabular_policy(name, loss_agg):
+  b = _batch(1)
+  V, C = 5, 3
+  rng = np.random.default_rng(2)
+  theta0 = jnp.asarray(rng.normal(size=(C, V)), jnp.float32)          # [contexts, V]
+  ctx = jnp.asarray(rng.integers(0, C, (B, T)))
+  tok = jnp.asarray(rng.integers(0, V, (B, T)))
+
+  def logp_of(theta):
+    return jnp.take_along_axis(jax.nn.log_softmax(theta)[ctx], tok[..., None], -1)[..., 0]
+
+  logp_roll = logp_of(theta0)
+  kl = dict(logp_ref=logp_roll, kl_beta=0.3)   # pi_ref == pi_theta: zero KL gradient too
+
+  def loss(theta):
+    return obj.compute_loss(name, logp_theta=logp_of(theta), logp_roll=logp_roll,
+                            advantages=b["advantages"], response_mask=b["response_mask"],
+                            seq_mask=b["seq_mask"], **kl, **_kw(name, loss_agg))[0]
+
+  g = jax.grad(loss)(theta0)
+  g_ref = jax.grad(lambda th: _reinforce(logp_of(th), b, loss_agg))(theta0)
+  assert np.abs(np.asarray(g_ref)).max() > 1e-3
+  np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name,loss_agg", CASES)
+def test_all_masked_batch_zero_gradient_finite_metrics(name, loss_agg):
+  b = _batch()
+  lt = b["logp"] + 0.3   # off-policy, so a non-zero gradient would have somewhere to come from
+
+  def f(lt):
+    return obj.compute_loss(name, logp_theta=lt, logp_roll=b["logp"], advantages=b["advantages"],
+                            response_mask=b["response_mask"], seq_mask=jnp.zeros((B,)),
+                            **_kw(name, loss_agg))
+
+  (loss, metrics), g = jax.value_and_grad(f, has_aux=True)(lt)
+  assert float(loss) == 0.0
+  np.testing.assert_array_equal(np.asarray(g), 0.0)
+  for k, v in metrics.items():
+    assert np.isfinite(np.asarray(v)).all(), k
+  assert float(metrics["seq_kept_frac"]) == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(obj.OBJECTIVES))
+def test_gradients_reach_only_the_policy(name):
+  b = _batch()
+  rng = np.random.default_rng(3)
+  off = jnp.asarray(rng.normal(scale=0.3, size=(B, T)), jnp.float32)
+  others = dict(logp_roll=b["logp"] + off, advantages=b["advantages"], logp_ref=b["logp"] - off,
+                token_weights=jnp.ones((B, T)) * 0.7, seq_mask=b["seq_mask"])
+  if name == "ppo_clip":
+    others["logp_old"] = b["logp"] + 0.5 * off
+
+  def f(others, lt):
+    return obj.compute_loss(name, logp_theta=lt, response_mask=b["response_mask"], kl_beta=0.1,
+                            **others, **_kw(name, "token-mean"))[0]
+
+  g_others, g_theta = jax.grad(f, argnums=(0, 1))(others, b["logp"])
+  for k, v in g_others.items():
+    np.testing.assert_array_equal(np.asarray(v), 0.0, err_msg=k)
+  assert np.abs(np.asarray(g_theta)).max() > 0
+
+
+def _one_row(log_r, adv, **kw):
+  lt = jnp.asarray(np.log(0.3) + np.asarray(log_r, np.float32))[None]   # [1, T]
+  lr = jnp.full_like(lt, np.log(0.3))
+  args = dict(logp_roll=lr, advantages=jnp.asarray([adv], jnp.float32),
+              response_mask=jnp.ones_like(lt), seq_mask=jnp.ones((1,)),
+              loss_agg="seq-mean-token-sum")
+  return lt, args
+
+
+def test_ppo_clip_on_constructed_ratios():
+  ratios = np.array([0.5, 0.9, 1.0, 1.1, 1.5, 5.0])
+  hp = dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0)
+  for adv in (1.0, -1.0):
+    lt, args = _one_row(np.log(ratios), adv)
+    (loss, m), g = jax.value_and_grad(
+        lambda lt: obj.ppo_clip(logp_theta=lt, **args, **hp), has_aux=True)(lt)
+    clipped = np.clip(ratios, 0.8, 1.2)
+    per_tok = np.maximum(-adv * ratios, -adv * clipped)
+    if adv < 0:
+      per_tok = np.minimum(per_tok, -adv * 3.0)
+    np.testing.assert_allclose(float(loss), per_tok.sum(), rtol=1e-6)
+    g = np.asarray(g)[0]
+    if adv > 0:   # gradient vanishes only above 1 + eps (r = 1.5, 5.0)
+      live = np.array([1, 1, 1, 1, 0, 0], bool)
+      assert float(m["clip_frac"]) == pytest.approx(2 / 6)
+      assert float(m["dual_clip_frac"]) == 0.0
+    else:         # vanishes below 1 - eps (r = 0.5) and past the dual clip c = 3 (r = 5.0)
+      live = np.array([0, 1, 1, 1, 1, 0], bool)
+      assert float(m["clip_frac"]) == pytest.approx(1 / 6)
+      assert float(m["dual_clip_frac"]) == pytest.approx(1 / 6)
+    np.testing.assert_array_equal(g[~live], 0.0)
+    np.testing.assert_allclose(g[live], -adv * ratios[live], rtol=1e-5)
+
+
+def test_ppo_ratio_uses_logp_old_when_given():
+  lt, args = _one_row(np.zeros(3), 1.0)
+  hp = dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=None)
+  old = args["logp_roll"] - np.log(2.0)          # r = 2 against old: clipped, no gradient
+  g = jax.grad(lambda lt: obj.ppo_clip(logp_theta=lt, logp_old=old, **args, **hp)[0])(lt)
+  np.testing.assert_array_equal(np.asarray(g), 0.0)
+  g = jax.grad(lambda lt: obj.ppo_clip(logp_theta=lt, **args, **hp)[0])(lt)
+  np.testing.assert_allclose(np.asarray(g), -1.0)
+
+
+def test_token_mask_zeroes_the_right_tokens():
+  log_r = np.array([0.0, 0.49, -0.49, 0.51, -2.0, 3.0])
+  lt, args = _one_row(log_r, 2.0)
+  (loss, m), g = jax.value_and_grad(
+      lambda lt: obj.token_mask(logp_theta=lt, tau=0.5, **args), has_aux=True)(lt)
+  keep = np.abs(log_r) <= 0.5
+  g = np.asarray(g)[0]
+  np.testing.assert_array_equal(g[~keep], 0.0)
+  np.testing.assert_allclose(g[keep], -2.0 * np.exp(log_r[keep]), rtol=1e-6)
+  np.testing.assert_allclose(float(loss), (-2.0 * np.exp(log_r) * keep).sum(), rtol=1e-6)
+  assert float(m["token_masked_frac"]) == pytest.approx(3 / 6)
+
+
+def test_tis_weight_is_truncated_and_gradient_free():
+  log_r = np.log(np.array([0.5, 1.0, 3.0, 100.0]))
+  lt, args = _one_row(log_r, -1.5)
+  (loss, m), g = jax.value_and_grad(
+      lambda lt: obj.truncated_is(logp_theta=lt, tis_cap=2.0, **args), has_aux=True)(lt)
+  w = np.minimum(np.exp(log_r), 2.0)
+  np.testing.assert_allclose(np.asarray(g)[0], 1.5 * w, rtol=1e-6)
+  np.testing.assert_allclose(float(loss), (1.5 * w * np.asarray(lt)[0]).sum(), rtol=1e-6)
+  assert float(m["tis_trunc_frac"]) == pytest.approx(0.5)
+
+
+def test_trm_surrogate_value_is_masked_mean_of_A_sum_rho():
+  b = _batch()
+  lt = b["logp"] + 0.1 * jnp.arange(T)[None]
+  loss, m = obj.trm_surrogate(logp_theta=lt, logp_roll=b["logp"], advantages=b["advantages"],
+                              response_mask=b["response_mask"], seq_mask=b["seq_mask"],
+                              loss_agg="seq-mean-token-sum")
+  rm, ms, a = (np.asarray(b[k], np.float64) for k in ("response_mask", "seq_mask", "advantages"))
+  rho = np.exp(np.asarray(lt, np.float64) - np.asarray(b["logp"], np.float64))
+  expected = -np.sum(ms * a * np.sum(rho * rm, 1)) / B
+  np.testing.assert_allclose(float(loss), expected, rtol=1e-6)
+  np.testing.assert_allclose(float(m["seq_kept_frac"]), 0.75)
+
+
+def test_aggregation_modes_against_numpy():
+  b = _batch()
+  rng = np.random.default_rng(4)
+  per = rng.normal(size=(B, T))
+  rm = np.asarray(b["response_mask"], np.float64)
+  rm[1] = 0.0                                  # a padding row: not counted as a sequence
+  w = rm * np.asarray(b["seq_mask"])[:, None]
+  n_seq = 3.0
+  expected = {
+      "token-mean": (w * per).sum() / rm.sum(),
+      "seq-mean-token-mean": ((w * per).sum(1) / np.maximum(rm.sum(1), 1)).sum() / n_seq,
+      "seq-mean-token-sum": (w * per).sum() / n_seq,
+      "seq-mean-token-sum-norm": (w * per).sum() / (n_seq * MAX_LEN),
+  }
+  for mode, e in expected.items():
+    got = obj.aggregate(jnp.asarray(per, jnp.float32), jnp.asarray(w, jnp.float32),
+                        jnp.asarray(rm, jnp.float32), loss_agg=mode,
+                        max_len=MAX_LEN if mode.endswith("norm") else None)
+    np.testing.assert_allclose(float(got), e, rtol=1e-6, err_msg=mode)
+
+
+def test_masking_a_sequence_leaves_other_gradients_unchanged():
+  # Normalisers count all rollouts, so M only removes terms: it never rescales the rest.
+  b = _batch()
+  lt = b["logp"] + 0.2
+  for mode in obj.LOSS_AGG_MODES:
+    def g_of(seq_mask):
+      return jax.grad(lambda lt: obj.trm_surrogate(
+          logp_theta=lt, logp_roll=b["logp"], advantages=b["advantages"],
+          response_mask=b["response_mask"], seq_mask=seq_mask, loss_agg=mode,
+          max_len=MAX_LEN if mode.endswith("norm") else None)[0])(lt)
+    g_all, g_masked = g_of(jnp.ones((B,))), g_of(jnp.asarray([1.0, 1.0, 0.0, 1.0]))
+    np.testing.assert_array_equal(np.asarray(g_masked)[2], 0.0)
+    np.testing.assert_array_equal(np.asarray(g_masked)[[0, 1, 3]], np.asarray(g_all)[[0, 1, 3]])
+
+
+def test_k3_kl_value_and_gradient():
+  lt, args = _one_row(np.zeros(4), 0.0)
+  d = np.array([0.0, 0.5, -0.5, 2.0], np.float32)          # log pi_ref - log pi_theta
+  ref = lt + d
+  (loss, m), g = jax.value_and_grad(lambda lt: obj.trm_surrogate(
+      logp_theta=lt, logp_ref=ref, kl_beta=0.25, **args), has_aux=True)(lt)
+  k3 = np.exp(d) - d - 1
+  np.testing.assert_allclose(float(loss), 0.25 * k3.sum(), rtol=1e-6)
+  np.testing.assert_allclose(float(m["kl_ref"]), k3.mean(), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(g)[0], 0.25 * (1 - np.exp(d)), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted(obj.OBJECTIVES))
+def test_extreme_ratios_and_garbage_padding_stay_finite(name):
+  lt = jnp.asarray([[-1.0, -0.5, 0.0, np.nan], [-1e4, -2.0, -np.inf, -3.0]], jnp.float32)
+  lr = jnp.asarray([[-900.0, -0.5, -1.0, -np.inf], [-1.0, -1e4, -2.0, np.nan]], jnp.float32)
+  rm = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], jnp.float32)
+  def f(lt):
+    return obj.compute_loss(name, logp_theta=lt, logp_roll=lr, advantages=jnp.asarray([1.0, -1.0]),
+                            response_mask=rm, seq_mask=jnp.ones((2,)), logp_ref=lr,
+                            kl_beta=0.1, **_kw(name, "token-mean"))
+  (loss, m), g = jax.value_and_grad(f, has_aux=True)(lt)
+  assert np.isfinite(float(loss))
+  assert np.isfinite(np.asarray(g)).all()
+  np.testing.assert_array_equal(np.asarray(g)[rm == 0], 0.0)
+  for k, v in m.items():
+    assert np.isfinite(np.asarray(v)).all(), k
+  assert float(m["log_ratio_abs_max"]) == obj.LOG_RATIO_CLAMP
+
+
+def test_bad_inputs_name_the_culprit():
+  b = _batch()
+  base = dict(logp_theta=b["logp"], logp_roll=b["logp"], advantages=b["advantages"],
+              response_mask=b["response_mask"], seq_mask=b["seq_mask"], loss_agg="token-mean")
+  with pytest.raises(ValueError, match="objective"):
+    obj.compute_loss("grpo", **base)
+  with pytest.raises(ValueError, match="logp_roll"):
+    obj.trm_surrogate(**{**base, "logp_roll": b["logp"][:, :3]})
+  with pytest.raises(ValueError, match="seq_mask"):
+    obj.trm_surrogate(**{**base, "seq_mask": jnp.ones((B + 1,))})
+  with pytest.raises(ValueError, match="advantages"):
+    obj.trm_surrogate(**{**base, "advantages": jnp.ones((B, T + 1))})
+  with pytest.raises(ValueError, match="loss_agg"):
+    obj.trm_surrogate(**{**base, "loss_agg": "mean"})
+  with pytest.raises(ValueError, match="max_len"):
+    obj.trm_surrogate(**{**base, "loss_agg": "seq-mean-token-sum-norm"})
+  with pytest.raises(ValueError, match="logp_old"):
+    obj.trm_surrogate(**base, logp_old=b["logp"])
+  with pytest.raises(ValueError, match="kl_beta"):
+    obj.trm_surrogate(**base, logp_ref=b["logp"])
+  with pytest.raises(ValueError, match="dual_clip_c"):
+    obj.ppo_clip(**base, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=0.5)
