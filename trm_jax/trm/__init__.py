@@ -1,1 +1,31 @@
-"""trm_jax.trm."""
+"""trm_jax.trm: Trust Region Masking core, pure functions with no model code.
+
+  bounds      compute_bounds(T, delta=, eps=, kl_seq=, tv_seq=, dbar=) -> the bound family + B*
+  divergence  per-token KL(roll || theta) / TV (full logits, top-k + tail), k1/k2/k3,
+              per-sequence reductions and batch estimates of the bound inputs
+  masking     sequence-mask criteria by name, ANDed by apply_criteria
+  monitors    rejection rates (overall / per criterion / by length), PPL gap, empirical B*,
+              r + D_TV^seq
+
+The seed text of the paper lost its square roots; `../shared/notes/trm-math.md` restores them
+and this package follows the note.
+"""
+from trm_jax.trm.bounds import BOUND_NAMES, compute_bounds, pinsker_fill
+from trm_jax.trm.divergence import (BatchEstimates, batch_estimates, k3, sample_estimators,
+                                    seq_max, seq_mean, seq_sum, token_divergences,
+                                    topk_tail_divergences)
+from trm_jax.trm.masking import (CRITERIA, Criterion, MaskResult, TokenStats, apply_criteria,
+                                 ln_trm_weights, token_stats)
+from trm_jax.trm.monitors import (empirical_bounds, masked_token_fraction, ppl_gap,
+                                  precondition_free_term, rejection_by_length, rejection_rate,
+                                  trm_monitors)
+
+__all__ = [
+    "BOUND_NAMES", "compute_bounds", "pinsker_fill",
+    "BatchEstimates", "batch_estimates", "k3", "sample_estimators", "seq_max", "seq_mean",
+    "seq_sum", "token_divergences", "topk_tail_divergences",
+    "CRITERIA", "Criterion", "MaskResult", "TokenStats", "apply_criteria", "ln_trm_weights",
+    "token_stats",
+    "empirical_bounds", "masked_token_fraction", "ppl_gap", "precondition_free_term",
+    "rejection_by_length", "rejection_rate", "trm_monitors",
+]
