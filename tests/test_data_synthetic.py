@@ -1,0 +1,155 @@
+"""Synthetic running-sum task, its tokenizer (a real tokenizer.json) and the batching helpers."""
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from trm_jax.data.batching import make_prompt_batch, make_sft_batch
+from trm_jax.data.problem import Problem
+from trm_jax.data.rewards import math_reward
+from trm_jax.data.synthetic import (SyntheticConfig, format_problem, make_synthetic_tokenizer,
+                                    max_completion_chars, max_prompt_chars, problem_at,
+                                    problem_batch)
+
+CONFIGS = [
+    SyntheticConfig(),
+    SyntheticConfig(min_operands=3, max_operands=12, max_value=99, allow_subtraction=True),
+    SyntheticConfig(max_operands=7, show_every=3, answer_format="boxed"),
+    SyntheticConfig(show_every=0, min_value=0, max_value=20),
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+  return make_synthetic_tokenizer(str(tmp_path_factory.mktemp("synth_tok")))
+
+
+def _apply(a, op, b):
+  return a + b if op == "+" else a - b
+
+
+def _eval_expr(expr):
+  """Left-to-right +/- evaluation, independent of the generator's code."""
+  import re  # pylint: disable=g-import-not-at-top
+  parts = re.findall(r"[+-]?\d+", expr)
+  return sum(int(p) for p in parts)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=range(len(CONFIGS)))
+def test_problems_are_correct_and_rewarded(config):
+  for i in range(200):
+    p = problem_at(config, seed=3, index=i)
+    n = len([c for c in p.prompt if c in "+-"]) + 1
+    assert config.min_operands <= n <= config.max_operands
+    assert int(p.answer) == _eval_expr(p.prompt)
+    lines = p.solution.split("\n")
+    steps = math.ceil((n - 1) / config.show_every) if config.show_every else 0
+    assert len(lines) == steps + 1
+    for line in lines[:-1]:
+      lhs, rhs = line.split("=")
+      assert _eval_expr(lhs) == int(rhs)
+    assert math_reward(p.solution, p.answer) == 1.0
+    wrong = p.solution.replace(lines[-1], lines[-1].replace(p.answer, str(int(p.answer) + 1)))
+    assert math_reward(wrong, p.answer) == 0.0
+    assert len(p.prompt) <= max_prompt_chars(config)
+    assert len(p.solution) <= max_completion_chars(config)
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if not c.allow_subtraction])
+def test_length_bounds_are_exact_without_subtraction(config):
+  n = config.max_operands
+  worst = format_problem(config, [config.max_value] * n, ["+"] * (n - 1))
+  assert len(worst.solution) == max_completion_chars(config)
+  assert len(worst.prompt) == max_prompt_chars(config)
+
+
+def test_deterministic_by_seed_and_index():
+  cfg = SyntheticConfig()
+  a = problem_batch(cfg, seed=7, start=10, n=5)
+  assert a == [problem_at(cfg, 7, 10 + i) for i in range(5)]
+  assert a == problem_batch(cfg, seed=7, start=10, n=5)
+  assert a[0].uid == "synthetic:7:10"
+  assert len({p.prompt for p in problem_batch(cfg, 7, 0, 50)}) > 40
+  assert [p.prompt for p in problem_batch(cfg, 8, 10, 5)] != [p.prompt for p in a]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(min_operands=1), "min_operands must be >= 2"),
+    (dict(min_operands=5, max_operands=3), "max_operands .3. must be >= min_operands .5."),
+    (dict(min_value=5, max_value=2), "min_value <= max_value"),
+    (dict(show_every=-1), "show_every"),
+    (dict(answer_format="latex"), "answer_format"),
+])
+def test_config_validation(bad, match):
+  with pytest.raises(ValueError, match=match):
+    SyntheticConfig(**bad)
+
+
+def test_tokenizer_files_and_roundtrip(tok):
+  assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+  assert tok.stop_ids == (2,)
+  unk = tok.token_to_id("<unk>")
+  for cfg in CONFIGS:
+    for p in problem_batch(cfg, 0, 0, 20):
+      for text in (p.prompt, p.solution):
+        ids = tok.encode(text)
+        assert len(ids) == len(text) and unk not in ids  # one token per character
+        assert tok.decode(ids) == text
+
+
+def test_tokenizer_matches_transformers(tok):
+  from transformers import AutoTokenizer  # pylint: disable=g-import-not-at-top
+  ref = AutoTokenizer.from_pretrained(tok.path)
+  p = problem_at(SyntheticConfig(), 0, 0)
+  chat = p.messages() + [{"role": "assistant", "content": p.solution}]
+  for msgs, gen in ((p.messages(), True), (chat, False)):
+    want = ref.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=False)
+    assert tok.apply_chat_template(msgs, add_generation_prompt=gen) == want
+    assert tok.encode(want) == ref(want, add_special_tokens=False)["input_ids"]
+
+
+def test_prompt_batch_groups_and_left_padding(tok):
+  problems = [problem_at(SyntheticConfig(), 1, i) for i in range(3)]
+  G = 4
+  batch = make_prompt_batch(tok, problems, G)
+  prompts = [tok.apply_chat_template(p.messages(), tokenize=True) for p in problems]
+  T = max(map(len, prompts))
+  assert batch.tokens.shape == (3 * G, T) and batch.tokens.dtype == np.int32
+  np.testing.assert_array_equal(batch.problem_ids, np.repeat(np.arange(3), G))
+  for r in range(3 * G):
+    s = prompts[r // G]
+    assert batch.tokens[r].tolist() == [tok.pad_id] * (T - len(s)) + s
+    assert batch.lengths[r] == len(s)
+  assert tok.decode(batch.tokens[0]).endswith("\nA:")
+  fixed = make_prompt_batch(tok, problems, G, max_prompt_len=40)
+  assert fixed.tokens.shape == (3 * G, 40)
+  with pytest.raises(ValueError, match="synthetic:1:.* more than max_prompt_len=3"):
+    make_prompt_batch(tok, problems, G, max_prompt_len=3)
+  with pytest.raises(ValueError, match="group_size must be >= 1"):
+    make_prompt_batch(tok, problems, 0)
+
+
+def test_sft_batch_targets_are_the_solution(tok):
+  cfg = SyntheticConfig(max_operands=5)
+  problems = problem_batch(cfg, 2, 0, 4)
+  batch = make_sft_batch(tok, problems)
+  assert batch.tokens.dtype == np.int32 and batch.loss_mask.dtype == np.float32
+  for b, p in enumerate(problems):
+    row = batch.tokens[b, :batch.lengths[b]].tolist()
+    full = tok.apply_chat_template(
+        p.messages() + [{"role": "assistant", "content": p.solution}],
+        add_generation_prompt=False, tokenize=True)
+    assert row == full  # prompt + solution + eos is exactly the rendered two-turn chat
+    targets = batch.tokens[b][batch.loss_mask[b] == 1]
+    assert targets[-1] == tok.eos_id
+    assert tok.decode(targets) == p.solution
+    assert batch.loss_mask[b, batch.lengths[b]:].sum() == 0
+  with pytest.raises(ValueError, match="no solution"):
+    make_sft_batch(tok, [dataclasses.replace(problems[0], solution="")])
+
+
+def test_prompt_batch_without_chat_template(tok):
+  p = Problem(prompt="1+2", answer="3")
+  batch = make_prompt_batch(tok, [p], 2, use_chat_template=False)
+  assert batch.tokens[0].tolist() == tok.encode("1+2")

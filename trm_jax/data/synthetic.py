@@ -1,0 +1,169 @@
+"""A synthetic worked-arithmetic task for CPU-sized RL: running sums, every step written out.
+
+Problem `12+7-3+9`; solution (show_every=1):
+
+    12+7=19
+    19-3=16
+    16+9=25
+    #### 25
+
+Why this task. A 2-4 layer decoder learns the *format* and single steps quickly in SFT, but each
+step needs two skills a tiny model only half-masters: finding the next operand in the prompt
+(operands repeat, so an induction head is ambiguous and position counting is needed) and carrying
+in multi-digit addition. Per-step accuracy p gives a final-answer accuracy of roughly p^steps, so
+with the number of operands drawn per problem from [min_operands, max_operands] the reward of an
+SFT'd model is graded rather than all-or-nothing: short problems are mostly solved, long ones
+mostly not. That gives GRPO groups with mixed rewards (non-zero advantages), and every gain in p
+compounds over the horizon, which is what RL can improve in minutes.
+
+Knobs (`SyntheticConfig`): operand count (the horizon), value range (digits, hence carries),
+subtraction, `show_every` (operands folded per written step; 0 = answer only, no worked
+solution), and the answer format (`#### N` or `\\boxed{N}`, both read by `math_reward`).
+
+Determinism: `problem_at(config, seed, index)` is a pure function of its arguments (numpy
+`SeedSequence([seed, index])`), so a data position is one integer: checkpoint `index` and resume
+exactly. Use a different seed for evaluation problems.
+
+Vocabulary: one fixed character set (independent of the knobs) written as a real HF
+`tokenizer.json` (WordLevel over single characters, `Fuse` decoder) with <pad>, <bos>, <eos>, <unk>
+and a chat template, so the trainer loads it through `load_tokenizer` like any checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from trm_jax.data.problem import Problem
+from trm_jax.models.tokenizer import Tokenizer, load_tokenizer
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+# Every character the task can write, plus "\boxed{}" spelled out; fixed so one tokenizer serves
+# every knob setting.
+ALPHABET = "0123456789+-=#:QA \n\\boxed{}"
+# User turn -> "Q:<problem>\n"; assistant turn -> "A:<solution><eos>"; the generation prompt is
+# "A:", so (prompt + solution + eos) renders exactly like the two-turn chat (what SFT trains on).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{{ 'Q:' + m['content'] + '\\n' }}"
+    "{% elif m['role'] == 'assistant' %}{{ 'A:' + m['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('synthetic task: unsupported role ' + m['role']) }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'A:' }}{% endif %}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticConfig:
+  min_operands: int = 2            # operands per problem ~ U{min_operands..max_operands}
+  max_operands: int = 8            # the horizon knob: steps = operands - 1
+  min_value: int = 1               # operands ~ U{min_value..max_value}
+  max_value: int = 9               # 9: one-digit operands; 99: two digits, more carries
+  allow_subtraction: bool = False  # draw each operator from {+, -} instead of {+}
+  show_every: int = 1              # operands folded per written step; 0 = answer line only
+  answer_format: str = "####"      # "####" -> "#### N"; "boxed" -> "\boxed{N}"
+
+  def __post_init__(self):
+    if self.min_operands < 2:
+      raise ValueError(f"SyntheticConfig.min_operands must be >= 2, got {self.min_operands}")
+    if self.max_operands < self.min_operands:
+      raise ValueError(f"SyntheticConfig.max_operands ({self.max_operands}) must be >= "
+                       f"min_operands ({self.min_operands})")
+    if not 0 <= self.min_value <= self.max_value:
+      raise ValueError(f"SyntheticConfig needs 0 <= min_value <= max_value, got "
+                       f"{self.min_value}, {self.max_value}")
+    if self.show_every < 0:
+      raise ValueError(f"SyntheticConfig.show_every must be >= 0, got {self.show_every}")
+    if self.answer_format not in ("####", "boxed"):
+      raise ValueError(f"SyntheticConfig.answer_format must be '####' or 'boxed', got "
+                       f"{self.answer_format!r}")
+
+
+def _answer_line(config: SyntheticConfig, value: int) -> str:
+  return f"#### {value}" if config.answer_format == "####" else f"\\boxed{{{value}}}"
+
+
+def format_problem(config: SyntheticConfig, operands: list[int], ops: list[str]) -> Problem:
+  """The problem with these operands and operators (ops[i] joins operands[i] and [i+1])."""
+  prompt = str(operands[0]) + "".join(o + str(x) for o, x in zip(ops, operands[1:]))
+  acc, lines, i = operands[0], [], 1
+  n = len(operands)
+  while config.show_every and i < n:
+    chunk = range(i, min(i + config.show_every, n))
+    expr = str(acc) + "".join(ops[j - 1] + str(operands[j]) for j in chunk)
+    for j in chunk:
+      acc = acc + operands[j] if ops[j - 1] == "+" else acc - operands[j]
+    lines.append(f"{expr}={acc}")
+    i = chunk.stop
+  if not config.show_every:
+    for j in range(1, n):
+      acc = acc + operands[j] if ops[j - 1] == "+" else acc - operands[j]
+  lines.append(_answer_line(config, acc))
+  return Problem(prompt=prompt, answer=str(acc), solution="\n".join(lines), source="synthetic")
+
+
+def problem_at(config: SyntheticConfig, seed: int, index: int) -> Problem:
+  """Problem number `index` of stream `seed`: a pure function, the same on every host and run."""
+  if seed < 0 or index < 0:
+    raise ValueError(f"seed and index must be >= 0, got seed={seed}, index={index}")
+  rng = np.random.default_rng(np.random.SeedSequence([seed, index]))
+  n = int(rng.integers(config.min_operands, config.max_operands + 1))
+  operands = [int(v) for v in rng.integers(config.min_value, config.max_value + 1, size=n)]
+  if config.allow_subtraction:
+    ops = ["+" if b else "-" for b in rng.integers(0, 2, size=n - 1)]
+  else:
+    ops = ["+"] * (n - 1)
+  p = format_problem(config, operands, ops)
+  return dataclasses.replace(p, uid=f"synthetic:{seed}:{index}")
+
+
+def problem_batch(config: SyntheticConfig, seed: int, start: int, n: int) -> list[Problem]:
+  """Problems start .. start+n-1 of stream `seed`; the trainer's data position is `start + n`."""
+  return [problem_at(config, seed, start + i) for i in range(n)]
+
+
+def max_completion_chars(config: SyntheticConfig) -> int:
+  """An upper bound on len(solution) (one token per character with the synthetic tokenizer).
+
+  The trainer sizes max_new_tokens from this (+1 for <eos>). Exact for addition-only configs
+  (all operands at max_value with max_operands is the longest case); with subtraction every
+  number is bounded by the same magnitude plus a sign character.
+  """
+  n, s = config.max_operands, config.show_every
+  sign = 1 if config.allow_subtraction else 0
+  w = len(str(config.max_value))                       # widest operand
+  acc_w = len(str(n * config.max_value)) + sign        # widest running value
+  widths = [len(str(k * config.max_value)) + sign for k in range(1, n + 1)]  # after k operands
+  total, i = 0, 1
+  while s and i < n:
+    j = min(i + s, n)
+    # "<acc><op><x>...=<new>" ; acc after i operands, new after j operands.
+    total += widths[i - 1] + (j - i) * (1 + w) + 1 + widths[j - 1] + 1  # + "\n"
+    i = j
+  answer = len(_answer_line(config, 0)) - 1 + acc_w
+  return total + answer
+
+
+def max_prompt_chars(config: SyntheticConfig) -> int:
+  """Exact maximum of len(problem.prompt): max_operands widest operands and their operators."""
+  return config.max_operands * (len(str(config.max_value)) + 1) - 1
+
+
+def make_synthetic_tokenizer(path: str) -> Tokenizer:
+  """Writes tokenizer.json + tokenizer_config.json for the task into `path` and loads them."""
+  from tokenizers import Regex, decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer as HFTokenizer  # pylint: disable=g-import-not-at-top
+  chars = list(dict.fromkeys(ALPHABET))
+  vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, *chars])}
+  tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # 1 char/token
+  tok.decoder = decoders.Fuse()
+  tok.add_special_tokens(list(SPECIAL_TOKENS))
+  os.makedirs(path, exist_ok=True)
+  tok.save(os.path.join(path, "tokenizer.json"))
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
+            "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+            "chat_template": CHAT_TEMPLATE}
+  with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+    json.dump(config, f, indent=2)
+  return load_tokenizer(path)
