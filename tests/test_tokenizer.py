@@ -243,7 +243,7 @@ def test_bad_checkpoints(hf_dir, tmp_path):
 
 
 def test_package_never_imports_torch_or_transformers():
-  code = ("import sys, trm_jax.models.tokenizer, trm_jax.data; "
+  code = ("import sys, trm_jax.models.tokenizer, trm_jax.data, datasets; "
           "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
           "assert not bad, bad")
   env = {k: v for k, v in os.environ.items()}
