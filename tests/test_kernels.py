@@ -15,7 +15,8 @@ import pytest
 from trm_jax.kernels.attention import attention, resolve_impl
 from trm_jax.kernels.attention_ref import attention_reference
 from trm_jax.kernels.flash_attention import BlockSizes, flash_attention
-from trm_jax.kernels.visibility import NEVER_EVICTED, LayerVisibility, Visibility
+from trm_jax.kernels.visibility import (NEVER_EVICTED, LayerVisibility, Visibility,
+                                        visible_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,25 +67,47 @@ def _inputs(case: Case, seed: int = 0):
   return q, k, v, lvis, do
 
 
-def _forward_pair(case: Case, q, k, v, vis):
-  kernel = flash_attention(q, k, v, vis, block_sizes=case.blocks, interpret=True)
-  return kernel, attention_reference(q, k, v, vis)
+def _kernel_and_reference(case: Case, q, k, v, vis, do):
+  """(out, dq, dk, dv) for the kernel and for the reference, under one jit."""
+  def both(q, k, v, vis, do):
+    kern = lambda q, k, v: flash_attention(q, k, v, vis, block_sizes=case.blocks,
+                                           interpret=True)
+    ref = lambda q, k, v: attention_reference(q, k, v, vis)
+    results = []
+    for f in (kern, ref):
+      out, vjp = jax.vjp(f, q, k, v)
+      results.append((out, *vjp(do)))
+    return results
+  return jax.jit(both)(q, k, v, vis, do)
 
 
-FORWARD_CASES = [
+CASES = [
+    # T, N, K (G = N // K), blocks (fwd q, fwd k, bwd q, bwd k), padding, eviction
     Case(T=64, N=2, K=2, blocks=BlockSizes(16, 16, 16, 16), pad="none", evict=False),
     Case(T=64, N=4, K=2, blocks=BlockSizes(32, 16, 16, 32), pad="right"),
     Case(T=80, N=4, K=1, blocks=BlockSizes(32, 32, 32, 16), pad="left"),     # T % 32 != 0
-    Case(T=128, N=4, K=1, blocks=BlockSizes(64, 32, 32, 32), pad="packed"),
-    Case(T=100, N=8, K=2, blocks=BlockSizes(16, 64, 64, 16), pad="right"),   # G = 4
+    Case(T=128, N=4, K=1, blocks=BlockSizes(64, 32, 32, 64), pad="packed"),
+    Case(T=100, N=8, K=2, blocks=BlockSizes(16, 64, 64, 16), pad="right"),   # G = 4, T % 16
+    Case(T=96, N=2, K=1, blocks=BlockSizes(32, 32, 16, 16), pad="left", H=24),  # H padded
 ]
 
 
-@pytest.mark.parametrize("case", FORWARD_CASES, ids=lambda c: f"T{c.T}N{c.N}K{c.K}-{c.pad}")
-def test_forward_matches_reference(case):
-  q, k, v, vis, _ = _inputs(case)
-  out, ref = jax.jit(lambda q, k, v, vis: _forward_pair(case, q, k, v, vis))(q, k, v, vis)
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"T{c.T}N{c.N}K{c.K}H{c.H}-{c.pad}-{'ev' if c.evict else 'c'}")
+def test_outputs_and_gradients_match_reference(case):
+  q, k, v, vis, do = _inputs(case)
+  (out, *grads), (ref, *ref_grads) = _kernel_and_reference(case, q, k, v, vis, do)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+  for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(rg), atol=1e-4, rtol=0, err_msg=name)
+  # Query rows that see no key (padding, or every key evicted) are exact zeros, and so is
+  # the gradient that flows into their queries, whatever cotangent arrives.
+  blind = ~np.asarray(visible_mask(vis, case.B, case.K, case.T)).any(-1)   # [B, K, T]
+  blind = np.repeat(blind, case.N // case.K, axis=1).transpose(0, 2, 1)  # [B, T, N]
+  if case.pad != "none":
+    assert blind.any(), "case meant to contain fully masked rows has none"
+  assert np.all(np.asarray(out)[blind] == 0.0)
+  assert np.all(np.asarray(grads[0])[blind] == 0.0)
 
 
 def test_fully_masked_rows_are_exact_zeros():

@@ -190,6 +190,135 @@ def _forward(q, k, v, seg, ev, st: _Static):
 
 
 # --------------------------------------------------------------------------------------------
+# Backward (FlashAttention-2, Alg. 2): recompute p = exp(s - lse) tile by tile.
+#   dv = p^T dO,   dp = dO v^T,   ds = p * (dp - delta),   dq = scale ds k,   dk = scale ds^T q
+# with delta = rowsum(dO * O). Hidden pairs have p = 0 exactly, so ds = 0 there and fully
+# masked rows (lse = -inf) contribute nothing.
+# --------------------------------------------------------------------------------------------
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, ev_ref,
+                 dk_ref, dv_ref, *, scale: float, block_q: int, block_k: int):
+  """One program: key block `j` of (batch b, kv head n // G), against query head n.
+
+  Refs: q_ref, do_ref [T, H]; k_ref, v_ref [bk, H]; lse_ref, delta_ref [T];
+  seg_ref [T] or None; ev_ref [bk] or None; dk_ref, dv_ref [bk, H] f32 (per query head).
+  """
+  j = pl.program_id(0)
+  T, H = q_ref.shape
+  k = k_ref[...]                                                        # [bk, H]
+  v = v_ref[...]                                                        # [bk, H]
+  k_idx = j * block_k + jnp.arange(block_k)
+  k_seg = None if seg_ref is None else seg_ref[pl.ds(j * block_k, block_k)]
+  k_ev = None if ev_ref is None else ev_ref[...]
+
+  def body(i, carry):
+    dk, dv = carry                                                      # [bk, H] f32 each
+    qs = pl.ds(i * block_q, block_q)
+    q = q_ref[qs, :]                                                    # [bq, H]
+    do = do_ref[qs, :]                                                  # [bq, H]
+    q_idx = i * block_q + jnp.arange(block_q)
+    vis = _visible(q_idx, k_idx, None if seg_ref is None else seg_ref[qs], k_seg, k_ev)
+    s = _dot_nt(q, k) * scale                                           # [bq, bk] f32
+    p = jnp.where(vis, jnp.exp(s - lse_ref[qs][:, None]), 0.0)
+    dv = dv + _dot_tn(p.astype(do.dtype), do)
+    dp = _dot_nt(do, v)                                                 # [bq, bk] f32
+    ds = p * (dp - delta_ref[qs][:, None])
+    dk = dk + _dot_tn(ds.astype(q.dtype), q)
+    return dk, dv
+
+  # Causal: queries before this key block see none of it. Eviction: a query i >= every
+  # evicted_at of the block sees none of it either, so stop at the block holding max(ev).
+  first = lax.div(j * block_k, block_q)
+  last = T // block_q
+  if ev_ref is not None:
+    last = jnp.minimum(last, lax.div(jnp.max(k_ev) + block_q - 1, block_q))
+  zeros = jnp.zeros((block_k, H), jnp.float32)
+  dk, dv = lax.fori_loop(first, last, body, (zeros, zeros))
+  dk_ref[...] = dk * scale
+  dv_ref[...] = dv
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, ev_ref, dq_ref, *,
+               scale: float, block_q: int, block_k: int):
+  """One program: query block `i` of (batch b, query head n) against its visible keys.
+
+  Refs: q_ref, do_ref, dq_ref [bq, H]; k_ref, v_ref [S, H]; lse_ref, delta_ref [bq];
+  seg_ref [S] or None; ev_ref [S] or None.
+  """
+  i = pl.program_id(0)
+  H = q_ref.shape[-1]
+  q = q_ref[...]
+  do = do_ref[...]
+  lse = lse_ref[...]
+  delta = delta_ref[...]
+  q_idx = i * block_q + jnp.arange(block_q)
+  q_seg = None if seg_ref is None else seg_ref[pl.ds(i * block_q, block_q)]
+
+  def body(j, dq):
+    ks = pl.ds(j * block_k, block_k)
+    k = k_ref[ks, :]
+    v = v_ref[ks, :]
+    k_idx = j * block_k + jnp.arange(block_k)
+    vis = _visible(q_idx, k_idx, q_seg,
+                   None if seg_ref is None else seg_ref[ks],
+                   None if ev_ref is None else ev_ref[ks])
+    s = _dot_nt(q, k) * scale
+    p = jnp.where(vis, jnp.exp(s - lse[:, None]), 0.0)
+    ds = p * (_dot_nt(do, v) - delta[:, None])
+    return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+  n_kv = lax.div((i + 1) * block_q + block_k - 1, block_k)
+  dq = lax.fori_loop(0, n_kv, body, jnp.zeros((block_q, H), jnp.float32))
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _backward(q, k, v, seg, ev, o, lse, do, st: _Static):
+  """Padded residuals and dO [B, T, N, H] -> (dq, dk, dv) in the input dtypes."""
+  B, T, N, H = q.shape
+  K, G = k.shape[2], st.groups
+  bq, bk = st.blocks.block_q_bwd, st.blocks.block_k_bwd
+  # delta_i = sum_h dO_ih O_ih (FlashAttention-2, Alg. 2 line 4), fp32, [B, N, T].
+  delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), o.astype(jnp.float32))
+  params = _compiler_params(st.blocks, H)
+  kv_head = lambda n: lax.div(n, G)
+
+  # dk, dv: grid over key blocks; per query head, summed over the group below.
+  full_q = pl.BlockSpec((None, T, None, H), lambda j, b, n: (b, 0, n, 0))
+  row = pl.BlockSpec((None, None, T), lambda j, b, n: (b, n, 0))
+  kv_blk = pl.BlockSpec((None, bk, None, H), lambda j, b, n: (b, j, kv_head(n), 0))
+  out_blk = pl.BlockSpec((None, bk, None, H), lambda j, b, n: (b, j, n, 0))
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, scale=st.scale, block_q=bq, block_k=bk),
+      out_shape=[jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)] * 2,
+      grid=(T // bk, B, N),
+      in_specs=[full_q, kv_blk, kv_blk, full_q, row, row,
+                None if seg is None else pl.BlockSpec((None, T), lambda j, b, n: (b, 0)),
+                None if ev is None else pl.BlockSpec(
+                    (None, None, bk), lambda j, b, n: (b, kv_head(n), j))],
+      out_specs=[out_blk, out_blk], compiler_params=params, interpret=st.interpret,
+      name="vis_flash_bwd_dkdv")(q, k, v, do, lse, delta, seg, ev)
+  dk = dk.reshape(B, T, K, G, H).sum(axis=3).astype(k.dtype)          # [B, T, K, H]
+  dv = dv.reshape(B, T, K, G, H).sum(axis=3).astype(v.dtype)
+
+  # dq: grid over query blocks, like the forward.
+  q_blk = pl.BlockSpec((None, bq, None, H), lambda i, b, n: (b, i, n, 0))
+  row_blk = pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i))
+  full_kv = pl.BlockSpec((None, T, None, H), lambda i, b, n: (b, 0, kv_head(n), 0))
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, scale=st.scale, block_q=bq, block_k=bk),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(T // bq, B, N),
+      in_specs=[q_blk, full_kv, full_kv, q_blk, row_blk, row_blk,
+                None if seg is None else pl.BlockSpec((None, T), lambda i, b, n: (b, 0)),
+                None if ev is None else pl.BlockSpec(
+                    (None, None, T), lambda i, b, n: (b, kv_head(n), 0))],
+      out_specs=q_blk, compiler_params=params, interpret=st.interpret,
+      name="vis_flash_bwd_dq")(q, k, v, do, lse, delta, seg, ev)
+  return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
 # Public entry point (padding, validation).
 # --------------------------------------------------------------------------------------------
 
@@ -260,5 +389,25 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, T_pad - T)))
   if ev is not None:
     ev = jnp.pad(ev.astype(jnp.int32), ((0, 0), (0, 0), (0, T_pad - T)))
-  o, _ = _forward(q, k, v, seg, ev, st)
+  o = _flash(q, k, v, seg, ev, st)
   return o[:, :T, :, :H]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, seg, ev, st: _Static):
+  """Padded q [B, T, N, H], k/v [B, T, K, H], seg [B, T] | None, ev [B, K, T] | None."""
+  return _forward(q, k, v, seg, ev, st)[0]
+
+
+def _flash_fwd(q, k, v, seg, ev, st: _Static):
+  o, lse = _forward(q, k, v, seg, ev, st)
+  return o, (q, k, v, seg, ev, o, lse)
+
+
+def _flash_bwd(st: _Static, res, do):
+  q, k, v, seg, ev, o, lse = res
+  dq, dk, dv = _backward(q, k, v, seg, ev, o, lse, do, st)
+  return dq, dk, dv, None, None   # integer side inputs get no cotangent
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
