@@ -1,0 +1,382 @@
+"""Checkpoints of the training state: periodic async saves, exact resume, corruption fallback.
+
+One `Checkpointer` wraps an orbax `CheckpointManager`. A checkpoint at step s is the directory
+`<dir>/<s>/` with three orbax items:
+
+  state/      the pytree of jax arrays (params, optimizer state, RNG keys), StandardSave
+  meta/       the caller's JSON dict (step, data position, config hash, ...), JsonSave
+  integrity/  our JSON record: per-leaf path, shape, dtype, PRNG impl and a 64-bit fingerprint
+
+Atomicity (verified in orbax-checkpoint 0.12.8, `_src/path/atomicity.py`): with
+`AtomicityMode.ATOMIC_RENAME`, which we request explicitly rather than relying on the default,
+every item is written into `<dir>/<s>.orbax-checkpoint-tmp/`, a `commit_success.txt` is written
+last, and only then is the directory renamed to `<dir>/<s>/`. A process killed mid-save leaves
+a `*.orbax-checkpoint-tmp` directory that orbax never lists as a step and that
+`cleanup_tmp_directories=True` removes when the next `Checkpointer` opens the directory. The
+last finalized step is never touched by a later save, so a crash cannot corrupt it.
+
+Corruption after the fact (a truncated or deleted file, garbage written over array data, a
+missing metadata file) is not something the rename protects against, and a zarr chunk
+overwritten in place may decode without any error. So `restore_latest` walks the steps from
+the newest down, restores each one and recomputes every leaf's fingerprint; the first step that
+restores cleanly and matches is returned, and every step skipped is named in a logged warning
+with the reason. The fingerprint is two uint32 sums over the leaf's bit pattern (plain and
+position-mixed); integer addition mod 2^32 does not depend on reduction order, so it is the
+same for any sharding or device count. It detects any single changed word, it is not a
+cryptographic hash.
+
+Typed PRNG keys (`jax.random.key`) cannot be serialised as such: they are saved as
+`jax.random.key_data` (uint32) with the key implementation's name in the integrity record and
+rebuilt with `jax.random.wrap_key_data` on restore. Legacy uint32 keys are plain arrays.
+
+Multi-process: orbax coordinates the save across processes once `jax.distributed` is
+initialised (every process calls `maybe_save` with the same step; each writes its own shards,
+the primary process writes the JSON items and does the rename). This module writes no file
+itself; meta and integrity go through `ocp.args.JsonSave`. Fingerprints are computed by one
+jitted global reduction, so every process sees the same numbers.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+_ITEMS = ("state", "meta", "integrity")
+_FORMAT = 1  # Version of the integrity record; bump if the fingerprint changes.
+
+
+# --- pytree plumbing ----------------------------------------------------------------------
+
+
+def _is_key(x) -> bool:
+  return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_data_sharding(sharding, name: str):
+  """Sharding of `key_data(k)` ([..., 2] for threefry) given the sharding of the keys k."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, sharding.spec)  # trailing dim replicated
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding) or sharding is None:
+    return sharding
+  raise ValueError(f"PRNG key leaf {name}: unsupported sharding {type(sharding).__name__}; "
+                   "use NamedSharding or a single device")
+
+
+def _to_storable(state) -> tuple[Any, dict[str, Optional[str]]]:
+  """Replaces typed PRNG keys by their uint32 key data; returns (tree, {path: impl or None})."""
+  impls = {}
+
+  def convert(path, x):
+    name = jax.tree_util.keystr(path)
+    if not isinstance(x, jax.Array):
+      raise TypeError(f"checkpoint state leaf {name} is a {type(x).__name__}; every leaf must "
+                      "be a jax.Array (wrap scalars with jnp.asarray)")
+    if _is_key(x):
+      impls[name] = str(jax.random.key_impl(x))
+      return jax.random.key_data(x)
+    impls[name] = None
+    return x
+
+  return jax.tree_util.tree_map_with_path(convert, state), impls
+
+
+def _abstract_storable(abstract_state) -> Any:
+  """ShapeDtypeStructs (with sharding) of what `_to_storable` saves for this abstract state."""
+
+  def convert(path, x):
+    name = jax.tree_util.keystr(path)
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+      raise ValueError(f"abstract state leaf {name} has no sharding; pass "
+                       "jax.ShapeDtypeStruct(shape, dtype, sharding=...) or a jax.Array")
+    if _is_key(x):
+      data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+      return jax.ShapeDtypeStruct(data.shape, data.dtype,
+                                  sharding=_key_data_sharding(sharding, name))
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+  return jax.tree_util.tree_map_with_path(convert, abstract_state)
+
+
+def _from_storable(stored, abstract_state, impls: dict[str, Optional[str]]):
+  """Inverse of `_to_storable`: wraps key data back into typed keys where the target wants."""
+
+  def convert(path, data, target):
+    name = jax.tree_util.keystr(path)
+    if not _is_key(target):
+      return data
+    key = jax.random.wrap_key_data(data, impl=impls[name])
+    if key.dtype != target.dtype:
+      raise ValueError(f"PRNG key leaf {name}: checkpoint holds impl {impls[name]} "
+                       f"({key.dtype}), the target wants {target.dtype}")
+    return key
+
+  return jax.tree_util.tree_map_with_path(convert, stored, abstract_state)
+
+
+# --- fingerprints -------------------------------------------------------------------------
+
+
+def _as_words(x: jax.Array) -> jax.Array:
+  """Bit pattern of x as a flat uint32 vector (narrow dtypes zero-extended, 64-bit split)."""
+  size = jnp.dtype(x.dtype).itemsize
+  if x.dtype == jnp.bool_:
+    words = x.astype(jnp.uint32)
+  elif size == 4:
+    words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  elif size in (1, 2):
+    unsigned = jnp.uint8 if size == 1 else jnp.uint16
+    words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+  elif size == 8:
+    words = jax.lax.bitcast_convert_type(x, jnp.uint32)  # [..., 2]
+  else:
+    raise TypeError(f"cannot fingerprint dtype {x.dtype}")
+  return words.reshape(-1)
+
+
+def _fingerprint_leaf(x: jax.Array) -> jax.Array:
+  """[2] uint32: sum of words, and sum of xorshift(word * odd position weight), all mod 2^32.
+
+  Multiplying by an odd number and xorshift are both bijections on uint32, so changing any
+  single word changes the second sum; the plain sum adds a second, independent check.
+  """
+  w = _as_words(x)  # [n] uint32
+  pos = jnp.arange(w.shape[0], dtype=jnp.uint32)
+  mixed = w * (pos * jnp.uint32(0x9E3779B1) | jnp.uint32(1))
+  mixed = mixed ^ (mixed >> 15)
+  return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(mixed, dtype=jnp.uint32)])
+
+
+_fingerprint_many = jax.jit(lambda xs: [_fingerprint_leaf(x) for x in xs])
+
+
+def _devices_key(x: jax.Array) -> tuple[int, ...]:
+  s = x.sharding
+  if isinstance(s, jax.sharding.NamedSharding):
+    return tuple(d.id for d in s.mesh.devices.flat)
+  return tuple(sorted(d.id for d in s.device_set))
+
+
+def _fingerprint_tree(tree):
+  """Same tree of [2] uint32 fingerprints. One jit per device set: a single jit over the tree
+  fails when leaves live on different devices (an optimizer counter on one device, parameters
+  on a mesh), and one jit per leaf would compile once per distinct leaf shape."""
+  leaves, treedef = jax.tree.flatten(tree)
+  groups: dict[tuple[int, ...], list[int]] = {}
+  for i, x in enumerate(leaves):
+    groups.setdefault(_devices_key(x), []).append(i)
+  prints = [None] * len(leaves)
+  for idx in groups.values():
+    for i, fp in zip(idx, _fingerprint_many([leaves[i] for i in idx])):
+      prints[i] = fp
+  return jax.tree.unflatten(treedef, prints)
+
+
+def _host(x: jax.Array) -> np.ndarray:
+  # A full reduction comes back replicated; reading one local copy also works when the array
+  # spans several processes (np.asarray would refuse a non-fully-addressable array).
+  return np.asarray(x.addressable_data(0)) if x.is_fully_replicated else np.asarray(x)
+
+
+def _integrity_record(stored, impls) -> dict:
+  prints = _fingerprint_tree(stored)
+  leaves = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(stored)[0]:
+    name = jax.tree_util.keystr(path)
+    leaves[name] = {"shape": list(x.shape), "dtype": str(x.dtype), "prng_impl": impls[name]}
+  for path, fp in jax.tree_util.tree_flatten_with_path(prints)[0]:
+    leaves[jax.tree_util.keystr(path)]["fingerprint"] = [int(v) for v in _host(fp)]
+  return {"format": _FORMAT, "leaves": leaves}
+
+
+def _check_structure(record: dict, abstract_stored, directory: str, step: int) -> None:
+  """A structural mismatch is a caller error (changed model/optimizer), not corruption."""
+  want = {jax.tree_util.keystr(p): (list(x.shape), str(x.dtype))
+          for p, x in jax.tree_util.tree_flatten_with_path(abstract_stored)[0]}
+  have = {k: (v["shape"], v["dtype"]) for k, v in record["leaves"].items()}
+  if want == have:
+    return
+  missing = sorted(set(want) - set(have))
+  extra = sorted(set(have) - set(want))
+  differ = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+  detail = [f"missing from checkpoint: {missing[:5]}"] if missing else []
+  detail += [f"not in abstract_state: {extra[:5]}"] if extra else []
+  detail += [f"{k}: checkpoint {have[k]}, abstract_state {want[k]}" for k in differ[:5]]
+  raise ValueError(f"checkpoint {directory}/{step} does not match abstract_state (did the model "
+                   "or optimizer config change?): " + "; ".join(detail))
+
+
+def _verify(stored, record: dict) -> None:
+  prints = _fingerprint_tree(stored)
+  for path, fp in jax.tree_util.tree_flatten_with_path(prints)[0]:
+    name = jax.tree_util.keystr(path)
+    got = [int(v) for v in _host(fp)]
+    if got != record["leaves"][name]["fingerprint"]:
+      raise _Corrupt(f"fingerprint mismatch in leaf {name}: array data differs from what was "
+                     "saved")
+
+
+def _check_meta(meta) -> None:
+  if not isinstance(meta, dict):
+    raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
+  try:
+    decoded = json.loads(json.dumps(meta, allow_nan=False))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"meta is not JSON-serialisable: {e}") from e
+  if decoded != meta:
+    raise ValueError("meta must round-trip through JSON unchanged (string keys, lists not "
+                     f"tuples): {meta!r} comes back as {decoded!r}")
+
+
+# --- the checkpointer ---------------------------------------------------------------------
+
+
+class Checkpointer:
+  """Saves every `save_every` steps, keeps the newest `keep`, resumes from the newest good one.
+
+  Usage:
+    ckpt = Checkpointer(workdir + "/ckpt", save_every=100, keep=3)
+    restored = ckpt.restore_latest(abstract_state)   # None on a fresh start
+    ...
+    ckpt.maybe_save(step, state, meta={"step": step, "data_pos": pos, "config": cfg_hash})
+    ckpt.close()   # waits for the last async save
+
+  With `async_save=True`, `maybe_save` returns once the arrays are copied to host memory; the
+  files are written in the background, so the caller may donate or overwrite `state` at once.
+  """
+
+  def __init__(self, directory: str, *, save_every: int, keep: int, async_save: bool = True):
+    if save_every < 1:
+      raise ValueError(f"Checkpointer save_every={save_every}; must be >= 1")
+    if keep < 1:
+      raise ValueError(f"Checkpointer keep={keep}; must be >= 1")
+    self.directory = os.path.abspath(os.fspath(directory))
+    self.save_every = save_every
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        save_interval_steps=save_every,
+        enable_async_checkpointing=async_save,
+        # Removes `*.orbax-checkpoint-tmp` left by a process killed mid-save.
+        cleanup_tmp_directories=True,
+        # Explicit, not the filesystem-dependent AUTO: the atomicity argument above rests on it.
+        atomicity_options=ocp.options.AtomicityOptions(
+            mode=ocp.options.AtomicityMode.ATOMIC_RENAME),
+    )
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+
+  def maybe_save(self, step: int, state, *, meta: dict, force: bool = False) -> bool:
+    """Saves `state` (pytree of jax.Array) and `meta` (JSON dict) if step % save_every == 0.
+
+    `force=True` saves regardless of the interval (e.g. the final step). A step that already
+    has a checkpoint is not saved again. Returns whether a save was started.
+    """
+    step = int(step)
+    if not force and step % self.save_every != 0:
+      return False
+    if step in self._manager.all_steps():
+      return False
+    _check_meta(meta)
+    stored, impls = _to_storable(state)
+    integrity = _integrity_record(stored, impls)
+    self._manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(stored),
+                                meta=ocp.args.JsonSave(meta),
+                                integrity=ocp.args.JsonSave(integrity)),
+        # We decided above; orbax's own policy would also skip while a save is in flight.
+        force=True)
+    return True
+
+  def restore_latest(self, abstract_state) -> Optional[tuple[int, Any, dict]]:
+    """(step, state, meta) of the newest good checkpoint, or None if there is none at all.
+
+    `abstract_state` gives the tree structure, shapes, dtypes and target shardings: a pytree of
+    `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` (e.g. from `jax.eval_shape`) or of
+    jax.Arrays. Newer checkpoints that fail to restore or to verify are skipped with a warning
+    naming the step and the reason, then deleted (through orbax) so the resumed run can write
+    those step numbers again. Raises RuntimeError naming the directory if checkpoints exist but
+    none is good, and ValueError if a checkpoint's tree does not match `abstract_state`.
+    """
+    self._manager.reload()  # pick up steps written by a previous process
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    if not steps:
+      return None
+    abstract_stored = _abstract_storable(abstract_state)
+    bad = []
+    for step in steps:
+      try:
+        found = self._restore_verified(step, abstract_stored)
+      except _Corrupt as e:
+        reason = _root_cause(e)
+        log.warning("checkpoint step %d in %s is unusable (%s); falling back to an older one",
+                    step, self.directory, reason)
+        bad.append(step)
+        continue
+      stored, meta, record = found
+      impls = {k: v["prng_impl"] for k, v in record["leaves"].items()}
+      state = _from_storable(stored, abstract_state, impls)
+      for b in bad:
+        self._manager.delete(b)
+      if bad:
+        log.warning("resumed from checkpoint step %d in %s; deleted unusable newer steps %s",
+                    step, self.directory, bad)
+      return step, state, meta
+    raise RuntimeError(f"no usable checkpoint in {self.directory}: steps {steps} all failed to "
+                       "restore or verify (see the warnings above)")
+
+  def _restore_verified(self, step: int, abstract_stored):
+    try:
+      small = self._manager.restore(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore()))
+      record, meta = small["integrity"], small["meta"]
+      if not isinstance(record, dict) or record.get("format") != _FORMAT:
+        raise ValueError(f"integrity record missing or of unknown format: {record!r:.80}")
+      if not isinstance(meta, dict):
+        raise ValueError(f"meta missing or not a dict: {meta!r:.80}")
+    except Exception as e:  # orbax raises many types for a damaged directory
+      raise _Corrupt() from e
+    _check_structure(record, abstract_stored, self.directory, step)  # a caller error: raise
+    try:
+      stored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_stored)))["state"]
+    except Exception as e:
+      raise _Corrupt() from e
+    _verify(stored, record)
+    return stored, meta, record
+
+  def wait(self) -> None:
+    """Blocks until the in-flight async save (if any) is finalized on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for pending saves and releases orbax's threads."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _root_cause(e: BaseException) -> str:
+  """'Type: first line' of the innermost exception; orbax wraps tensorstore's useful message."""
+  if isinstance(e, _Corrupt) and e.args:
+    return str(e)
+  while (e.__cause__ or e.__context__) is not None:
+    e = e.__cause__ or e.__context__
+  lines = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {lines[0][:600] if lines else ''}"
+
+
+class _Corrupt(Exception):
+  """Internal: this step's files cannot be trusted; the cause is chained."""
