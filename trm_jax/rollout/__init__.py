@@ -1,1 +1,14 @@
-"""trm_jax.rollout."""
+"""trm_jax.rollout: jit-compiled sampling with dense or evicted KV caches.
+
+`generate(model, prompt_ids, prompt_lengths, *, max_new_tokens, key, ...) -> Rollout`; the
+rollout's `evicted_at` [B, L, K, T] replays the sampler's attention in the learner through
+`trm_jax.kernels.visibility.Visibility`.
+"""
+from trm_jax.rollout.cache import LayerCache, num_slots
+from trm_jax.rollout.sampler import generate, generate_from_state
+from trm_jax.rollout.sampling import sampled_logprobs, token_logprobs
+from trm_jax.rollout.types import CacheConfig, Rollout, RolloutStats, SamplingConfig
+
+__all__ = ["CacheConfig", "LayerCache", "Rollout", "RolloutStats", "SamplingConfig",
+           "generate", "generate_from_state", "num_slots", "sampled_logprobs",
+           "token_logprobs"]

@@ -1,0 +1,187 @@
+"""KV eviction policies as pure functions, per layer and per KV head.
+
+Every policy is the same two-level ranking of the keys a (row, kv head) holds:
+
+    (protected, priority, array index)      lowest = evicted first, highest = kept first
+
+  snapkv  protected: the observation window (last `window` prompt positions); priority: the
+          window queries' attention to each key, summed over the window and the GQA group,
+          pooled over neighbouring keys (SnapKV, Li et al. 2024, Sec. 4). Prompt only.
+  h2o     protected: the most recent `recent_frac * budget` keys; priority: attention mass
+          accumulated over every query that saw the key (H2O, Zhang et al. 2023, Alg. 1).
+  recent  protected: the first `sinks` valid tokens; priority: the array index, so the
+          oldest goes first (StreamingLLM, Xiao et al. 2024). RoPE positions are kept, not
+          re-assigned inside the window (deviation from StreamingLLM's cache-relative
+          positions: the learner must see the sampler's positions).
+  random  priority: fresh uniform draws per (layer, step, key); nothing protected.
+
+Ties fall back to the array index (older evicted first), which makes every decision a function
+of positions and scores only, not of slot layout, and lets `tests/test_rollout_resim.py`
+re-derive it in plain numpy.
+
+Two moments use the ranking: after prefill (`select_prompt`: keep the top `keep` prompt keys;
+the others get evicted_at = P, the first generated query) and, with scope="sequence", before
+each decode query i that would overflow the budget (`evict`: drop the lowest key, evicted_at =
+i). Deviation from H2O's description: H2O evicts after attending with budget + 1 keys; we
+evict before inserting key i, so no query ever sees more than `budget` keys. The decision uses
+the same information (scores through query i - 1).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from trm_jax.rollout.cache import LayerCache
+from trm_jax.rollout.types import RATIO_GRID, CacheConfig
+
+
+def random_priority(key: jax.Array, layer: int, step, shape) -> jax.Array:
+  """[B, K, T] uniform draws used by the random policy at query index `step` in `layer`.
+
+  Indexed by array position (not slot), so a re-simulation can reproduce them.
+  """
+  return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, layer), step), shape)
+
+
+def _masked_probs(q: jax.Array, k: jax.Array, q_idx: jax.Array, valid: jax.Array,
+                  scale: float) -> jax.Array:
+  """Attention probabilities of queries q [B, W, N, H] at array indices q_idx [W] over the
+  prompt keys k [B, P, K, H] with validity valid [B, P] -> [B, K, G, W, P] fp32."""
+  B, W, N, H = q.shape
+  P, K = k.shape[1], k.shape[2]
+  qg = q.reshape(B, W, K, N // K, H)
+  logits = jnp.einsum("BWKGH,BSKH->BKGWS", qg, k,
+                      preferred_element_type=jnp.float32) * scale
+  j = jnp.arange(P)
+  mask = (j[None, :] <= q_idx[:, None])[None] & valid[:, None, :]           # [B, W, P]
+  mask = mask & jnp.take(valid, q_idx, axis=1)[:, :, None]                    # query valid
+  logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(logits - m)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  return p / jnp.where(denom > 0, denom, 1.0)
+
+
+def prompt_scores(cfg: CacheConfig, q: jax.Array, k: jax.Array, valid: jax.Array, *,
+                  scale: Optional[float] = None) -> jax.Array:
+  """Per-key scores from the prefill: q [B, P, N, H], k [B, P, K, H], valid [B, P] ->
+  [B, K, P] fp32 (SnapKV: pooled window attention; H2O: accumulated attention; else 0)."""
+  B, P, N, H = q.shape
+  K = k.shape[2]
+  scale = H ** -0.5 if scale is None else scale
+  if cfg.policy == "h2o":
+    q_idx = jnp.arange(P)
+    return _masked_probs(q, k, q_idx, valid, scale).sum(axis=(2, 3))
+  if cfg.policy != "snapkv":
+    return jnp.zeros((B, K, P), jnp.float32)
+  w = min(cfg.window, P)
+  q_idx = jnp.arange(P - w, P)
+  s = _masked_probs(q[:, P - w:], k, q_idx, valid, scale).sum(axis=(2, 3))  # [B, K, P]
+  # SnapKV pools the prefix scores only: window keys are kept anyway and must not lend their
+  # (large, self-attention) mass to neighbours.
+  in_prefix = (jnp.arange(P) < P - w)[None, None] & valid[:, None, :]
+  s = jnp.where(in_prefix, s, 0.0)
+  pad = ((0, 0), (0, 0), (cfg.kernel // 2, cfg.kernel // 2))
+  if cfg.pooling == "max":
+    return jax.lax.reduce_window(s, -jnp.inf, jax.lax.max, (1, 1, cfg.kernel), (1, 1, 1), pad)
+  # avg pooling counts the padding, like torch's avg_pool1d default.
+  return jax.lax.reduce_window(s, 0.0, jax.lax.add, (1, 1, cfg.kernel), (1, 1, 1),
+                               pad) / cfg.kernel
+
+
+def priorities(cfg: CacheConfig, pos: jax.Array, score: jax.Array, *, step, start: jax.Array,
+               budget: jax.Array, prompt_len: int,
+               rand_u: Optional[jax.Array]) -> Tuple[jax.Array, jax.Array]:
+  """The ranking keys of held keys.
+
+  Args:
+    pos: [B, K, S] int32 array index of each key (-1 = none).
+    score: [B, K, S] fp32 per-key score (H2O accumulated attention, SnapKV pooled score).
+    step: [] query index about to be served (P right after prefill).
+    start: [B] array index of each row's first valid token (P - prompt length).
+    budget: [B] keys a row may hold.
+    prompt_len: static P (SnapKV's window is the last `window` prompt positions).
+    rand_u: [B, K, T] `random_priority` draws for this step (random policy only).
+  Returns:
+    protected [B, K, S] bool and priority [B, K, S] fp32.
+  """
+  if cfg.policy == "snapkv":
+    return pos >= prompt_len - min(cfg.window, prompt_len), score
+  if cfg.policy == "h2o":
+    recent = (budget * int(round(cfg.recent_frac * RATIO_GRID))) // RATIO_GRID   # [B]
+    return pos >= step - recent[:, None, None], score
+  if cfg.policy == "recent":
+    return pos < start[:, None, None] + cfg.sinks, pos.astype(jnp.float32)
+  if cfg.policy == "random":
+    u = jnp.take_along_axis(rand_u, jnp.maximum(pos, 0), axis=-1)
+    return jnp.zeros(pos.shape, bool), u
+  raise ValueError(f"policy {cfg.policy!r} has no eviction ranking")
+
+
+def select_prompt(cfg: CacheConfig, valid: jax.Array, score: jax.Array, keep: jax.Array, *,
+                  start: jax.Array, budget: jax.Array,
+                  rand_u: Optional[jax.Array]) -> jax.Array:
+  """Which prompt keys stay after prefill.
+
+  Args:
+    valid: [B, P] bool non-padding prompt positions.
+    score: [B, K, P] from `prompt_scores`.
+    keep: [B] int32 keys to keep per row (<= valid count).
+  Returns:
+    [B, K, P] bool, exactly keep[b] True entries per (b, kv head), all on valid positions.
+  """
+  B, K, P = score.shape
+  if cfg.policy == "none":
+    return jnp.broadcast_to(valid[:, None], (B, K, P))
+  pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, K, P))
+  prot, prio = priorities(cfg, pos, score, step=P, start=start, budget=budget,
+                          prompt_len=P, rand_u=rand_u)
+  v = jnp.broadcast_to(valid[:, None], (B, K, P))
+  order = jnp.lexsort((pos, prio, prot, v), axis=-1)     # ascending: evicted first
+  rank = jnp.argsort(order, axis=-1)                      # rank of each key in that order
+  return rank >= P - keep[:, None, None]
+
+
+def _lex_argmin(valid, prot, prio, pos) -> jax.Array:
+  """[B, K] slot of the lowest (protected, priority, pos) among valid slots."""
+  p0 = jnp.where(valid, prot.astype(jnp.int32), 2)
+  cand = valid & (p0 == jnp.min(p0, axis=-1, keepdims=True))
+  pr = jnp.where(cand, prio, jnp.inf)
+  cand = cand & (pr == jnp.min(pr, axis=-1, keepdims=True))
+  return jnp.argmin(jnp.where(cand, pos, jnp.iinfo(jnp.int32).max), axis=-1).astype(jnp.int32)
+
+
+def evict(cfg: CacheConfig, cache: LayerCache, evicted_at: jax.Array, *, layer: int, step,
+          start: jax.Array, budget: jax.Array, prompt_len: int,
+          rand_u: Optional[jax.Array] = None):
+  """Frees one slot per (row, kv head) for the key at array index `step`.
+
+  Where a row already holds `budget` keys, the lowest-ranked key leaves and
+  evicted_at[b, layer, h, its index] = step (query `step` is the first that cannot see it);
+  otherwise an empty slot is used and nothing is evicted.
+
+  Args:
+    cache: this layer's cache (scores accumulated through query step - 1).
+    evicted_at: [B, L, K, T] int32 retention record.
+  Returns:
+    (cache with the slot emptied, evicted_at, slot [B, K] int32 to insert into).
+  """
+  B, K, C = cache.pos.shape
+  T = evicted_at.shape[-1]
+  valid = cache.pos >= 0
+  full = jnp.sum(valid, axis=-1) >= budget[:, None]                     # [B, K]
+  prot, prio = priorities(cfg, cache.pos, cache.score, step=step, start=start,
+                          budget=budget, prompt_len=prompt_len, rand_u=rand_u)
+  victim = _lex_argmin(valid, prot, prio, cache.pos)
+  empty = jnp.argmax(~valid, axis=-1).astype(jnp.int32)
+  slot = jnp.where(full, victim, empty)
+  gone = jnp.take_along_axis(cache.pos, victim[..., None], axis=-1)[..., 0]
+  gone = jnp.where(full, gone, T)                                        # T: dropped write
+  b = jnp.arange(B)[:, None]
+  h = jnp.arange(K)[None, :]
+  evicted_at = evicted_at.at[b, layer, h, gone].set(step, mode="drop")
+  pos = cache.pos.at[b, h, slot].set(-1)
+  return cache.replace(pos=pos), evicted_at, slot
