@@ -1,0 +1,298 @@
+"""What the user sees: per-step metrics to JSON lines, TensorBoard and a progress bar; curves; summary.
+
+`MetricsLogger` writes, per logged step,
+  <workdir>/metrics.jsonl  one JSON object per line: {"step", "wall_time", <metric>: float|null}
+  <workdir>/tb/            TensorBoard event files (tensorboardX; no tensorflow needed)
+  stderr                   a tqdm bar with ETA and a few key numbers
+`plot_curves` turns metrics.jsonl into a PNG grid with rolling means, and `summarize` /
+`format_summary` compute the numbers the run is judged by (mean of a key over the last 10% of
+logged steps minus the first 10%).
+
+Non-finite values (a NaN loss, an infinite ratio) are written as JSON null and left out of
+TensorBoard, so one bad step neither crashes logging nor squashes a TensorBoard axis.
+
+Resume: open the logger with `resume_step` = the step of the restored checkpoint. Lines with
+step > resume_step (written after that checkpoint, by the run that died) are dropped and the
+file is appended from there, so the resumed run leaves exactly one line per step; TensorBoard
+gets `purge_step = resume_step + 1`, which hides the dead run's later events. A line torn by a
+crash mid-write is dropped with a warning. `resume_step=None` (a fresh start) clears old lines
+and hides all old TensorBoard events (purge_step 0).
+
+TensorBoard tags are the metric names with `*` spelled `_star` and any other character
+TensorBoard rejects replaced by `_` (so `B*` appears as `B_star`); the JSON keeps the names.
+
+Multi-process: only process 0 writes (every method is a no-op elsewhere), so all processes
+may call the logger unconditionally.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import time
+from typing import Iterable, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+_RESERVED = ("step", "wall_time")
+DEFAULT_PROGRESS_KEYS = ("reward", "rej_rate", "ppl_gap", "B*")
+DEFAULT_PLOT_KEYS = ("reward", "accuracy", "rej_rate", "ppl_gap", "B*", "smd_kl", "loss",
+                     "tokens_per_s")
+
+
+def tb_tag(name: str) -> str:
+  """The TensorBoard tag for a metric name (tensorboardX would mangle `B*` to `B_`)."""
+  return re.sub(r"[^-/\w.]", "_", name.replace("*", "_star")).lstrip("/")
+
+
+def _finite_or_none(key: str, value) -> Optional[float]:
+  try:
+    v = float(value)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"metric {key!r} = {value!r} is not a number") from e
+  return v if math.isfinite(v) else None
+
+
+def read_metrics(path: str) -> list[dict]:
+  """Records of a metrics.jsonl file, in order; a torn (unparseable) line is skipped."""
+  records = []
+  with open(path) as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        rec = json.loads(line)
+      except json.JSONDecodeError:
+        log.warning("%s:%d: dropping unparseable line (torn write?): %.80s", path, lineno, line)
+        continue
+      records.append(rec)
+  return records
+
+
+class MetricsLogger:
+  """Per-step metrics to metrics.jsonl, TensorBoard and a progress bar.
+
+  Usage:
+    logger = MetricsLogger(workdir, total_steps=cfg.steps, resume_step=restored_step)  # or None
+    for step in range(first_step, cfg.steps + 1):
+      ...
+      logger.log(step, {"reward": r, "rej_rate": m, "ppl_gap": g, "B*": b})
+    logger.close()
+
+  `log` calls float() on every value (so a jax scalar is pulled to host there); steps must
+  increase strictly (from 0 on a fresh start, from resume_step + 1 on resume), one call per
+  step (merge train and eval dicts before logging).
+  """
+
+  def __init__(self, workdir: str, *, total_steps: int, enable_progress: bool = True,
+               tb: bool = True, progress_keys: Sequence[str] = DEFAULT_PROGRESS_KEYS,
+               resume_step: Optional[int] = None):
+    if total_steps < 1:
+      raise ValueError(f"MetricsLogger total_steps={total_steps}; must be >= 1")
+    if resume_step is not None and resume_step < 0:
+      raise ValueError(f"MetricsLogger resume_step={resume_step}; must be >= 0 or None")
+    self.workdir = os.fspath(workdir)
+    self.path = os.path.join(self.workdir, METRICS_FILE)
+    self._active = jax.process_index() == 0
+    self._last_step = -1 if resume_step is None else resume_step
+    self._progress_keys = tuple(progress_keys)
+    self._file = self._writer = self._bar = None
+    if not self._active:
+      return
+    os.makedirs(self.workdir, exist_ok=True)
+    self._truncate_after(self._last_step)
+    self._file = open(self.path, "a")
+    if tb:
+      from tensorboardX import SummaryWriter  # Imported here: heavy, and optional for callers.
+      self._writer = SummaryWriter(
+          logdir=os.path.join(self.workdir, TB_DIR),
+          purge_step=self._last_step + 1,
+          # tensorboardX names files by the second and opens them for writing: a resume within
+          # the same second would overwrite the dead run's file. The ns suffix keeps names
+          # unique and in time order (TensorBoard reads files sorted by name).
+          filename_suffix=f".{time.time_ns()}")
+    if enable_progress:
+      from tqdm.auto import tqdm
+      # initial=resume_step: the bar shows overall progress while the rate (and so the ETA)
+      # comes only from steps run in this process.
+      self._bar = tqdm(total=total_steps, initial=max(self._last_step, 0), unit="step",
+                       dynamic_ncols=True)
+
+  def _truncate_after(self, resume_step: int) -> None:
+    """Keeps the lines with step <= resume_step (-1: none); rewrites via tmp file + rename."""
+    if not os.path.exists(self.path):
+      return
+    records = read_metrics(self.path)
+    kept = [r for r in records if isinstance(r.get("step"), int) and r["step"] <= resume_step]
+    if len(kept) == len(records):
+      return
+    log.info("%s: dropping %d lines after resumed step %d", self.path,
+             len(records) - len(kept), resume_step)
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, self.path)
+
+  def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    """Writes one step: a JSON line (null for non-finite), TB scalars (finite only), the bar."""
+    step = int(step)
+    if step <= self._last_step:
+      raise ValueError(f"MetricsLogger.log step={step} is not after the last logged (or "
+                       f"resumed) step {self._last_step}")
+    clash = [k for k in metrics if k in _RESERVED]
+    if clash:
+      raise ValueError(f"metric names {clash} are reserved for the JSON record")
+    values = {k: _finite_or_none(k, v) for k, v in metrics.items()}
+    self._last_step = step
+    if not self._active:
+      return
+    self._file.write(json.dumps({"step": step, "wall_time": time.time(), **values}) + "\n")
+    self._file.flush()  # A crash loses at most the line being written.
+    if self._writer is not None:
+      for k, v in values.items():
+        if v is not None:
+          self._writer.add_scalar(tb_tag(k), v, global_step=step)
+    if self._bar is not None:
+      self._bar.set_postfix({k: "nan" if values[k] is None else f"{values[k]:.4g}"
+                             for k in self._progress_keys if k in values}, refresh=False)
+      self._bar.update(step - self._bar.n)
+
+  def close(self) -> None:
+    """Flushes and closes the file, the event writer and the bar; safe to call twice."""
+    if self._file is not None:
+      self._file.close()
+    if self._writer is not None:
+      self._writer.close()
+    if self._bar is not None:
+      self._bar.close()
+    self._file = self._writer = self._bar = None
+
+  def __enter__(self) -> "MetricsLogger":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+# --- after the run ------------------------------------------------------------------------
+
+
+def _series(records: Iterable[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+  """(steps, values) for records that carry `key`; null becomes NaN."""
+  pairs = [(r["step"], np.nan if r[key] is None else r[key]) for r in records if key in r]
+  if not pairs:
+    return np.zeros(0, np.int64), np.zeros(0, np.float64)
+  steps, values = zip(*pairs)
+  return np.asarray(steps, np.int64), np.asarray(values, np.float64)
+
+
+def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
+  """Trailing mean over the last `window` entries, ignoring NaN; NaN where none is finite."""
+  if window < 1:
+    raise ValueError(f"rolling_mean window={window}; must be >= 1")
+  finite = np.isfinite(values)
+  csum = np.concatenate([[0.0], np.cumsum(np.where(finite, values, 0.0))])
+  ccount = np.concatenate([[0], np.cumsum(finite)])
+  hi = np.arange(1, len(values) + 1)
+  lo = np.maximum(hi - window, 0)
+  count = ccount[hi] - ccount[lo]
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return np.where(count > 0, (csum[hi] - csum[lo]) / np.maximum(count, 1), np.nan)
+
+
+def plot_curves(metrics_jsonl_path: str, out_png: str,
+                keys: Sequence[str] = DEFAULT_PLOT_KEYS, *,
+                window: Optional[int] = None) -> list[str]:
+  """Writes a PNG grid, one panel per key present in the file: raw values and a rolling mean.
+
+  `window` defaults to 5% of the logged steps (at least 1). Returns the keys plotted; keys the
+  file does not have are skipped, and if it has none of them the error lists what it has.
+  """
+  import matplotlib
+  matplotlib.use("Agg")  # Headless: no display on a training machine.
+  import matplotlib.pyplot as plt
+
+  records = read_metrics(metrics_jsonl_path)
+  present = [k for k in keys if any(k in r for r in records)]
+  if not present:
+    available = sorted({k for r in records for k in r} - set(_RESERVED))
+    raise ValueError(f"{metrics_jsonl_path} has none of the keys {list(keys)}; it has "
+                     f"{available}")
+  ncols = min(3, len(present))
+  nrows = math.ceil(len(present) / ncols)
+  fig, axes = plt.subplots(nrows, ncols, figsize=(4.5 * ncols, 3.2 * nrows), squeeze=False)
+  for ax, key in zip(axes.flat, present):
+    steps, values = _series(records, key)
+    w = window or max(1, len(values) // 20)
+    ax.plot(steps, values, alpha=0.3, lw=1, label="per step")
+    ax.plot(steps, rolling_mean(values, w), lw=2, label=f"mean of last {w}")
+    ax.set_title(key)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+  axes.flat[0].legend(fontsize=8)
+  for ax in list(axes.flat)[len(present):]:
+    ax.set_visible(False)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+  fig.savefig(out_png, dpi=100)
+  plt.close(fig)
+  return present
+
+
+def summarize(metrics_jsonl_path: str, key: str = "reward",
+              final_keys: Optional[Sequence[str]] = None) -> dict:
+  """The run's headline numbers for `key`.
+
+  Over the n logged steps with a finite `key` (null steps are left out), with k = ceil(n/10):
+    first_mean = mean of the first k values, last_mean = mean of the last k,
+    delta = last_mean - first_mean (the number the main job must make positive).
+  `final` maps each of `final_keys` (default: every metric in the file) to its last finite
+  value.
+  """
+  records = read_metrics(metrics_jsonl_path)
+  steps, values = _series(records, key)
+  ok = np.isfinite(values)
+  steps, values = steps[ok], values[ok]
+  if len(values) == 0:
+    raise ValueError(f"{metrics_jsonl_path} has no finite values of {key!r}")
+  k = math.ceil(len(values) / 10)
+  first, last = values[:k], values[-k:]
+  if final_keys is None:
+    final_keys = sorted({m for r in records for m in r} - set(_RESERVED))
+  final = {}
+  for m in final_keys:
+    _, vals = _series(records, m)
+    vals = vals[np.isfinite(vals)]
+    if len(vals):
+      final[m] = float(vals[-1])
+  return {
+      "key": key,
+      "num_steps": len(values),
+      "window": k,
+      "first_steps": (int(steps[0]), int(steps[k - 1])),
+      "last_steps": (int(steps[-k]), int(steps[-1])),
+      "first_mean": float(first.mean()),
+      "last_mean": float(last.mean()),
+      "delta": float(last.mean() - first.mean()),
+      "final": final,
+  }
+
+
+def format_summary(summary: dict) -> str:
+  """A few console lines for a `summarize` result."""
+  s = summary
+  lines = [
+      f"{s['key']}: first 10% (steps {s['first_steps'][0]}-{s['first_steps'][1]}) mean "
+      f"{s['first_mean']:.4f} -> last 10% (steps {s['last_steps'][0]}-{s['last_steps'][1]}) "
+      f"mean {s['last_mean']:.4f}  (change {s['delta']:+.4f}, over {s['num_steps']} steps)",
+  ]
+  if s["final"]:
+    lines.append("final: " + "  ".join(f"{k}={v:.4g}" for k, v in s["final"].items()))
+  return "\n".join(lines)
