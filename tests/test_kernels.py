@@ -26,7 +26,7 @@ class Case:
   K: int
   blocks: BlockSizes
   pad: str = "right"      # "none" | "right" | "left" | "packed"
-  evict: bool = True
+  evict: str = "mixed"    # "none" | "mixed" (every kind of record) | "window" (recent-W cache)
   H: int = 16
   B: int = 2
 
@@ -60,7 +60,12 @@ def _inputs(case: Case, seed: int = 0):
     vis = Visibility(segment_ids=jnp.asarray(seg))
   else:
     vis = Visibility.from_lengths(lengths, T, left_pad=case.pad == "left")
-  ev = _eviction_record(rng, B, K, T, prompt_len=T // 4) if case.evict else None
+  if case.evict == "mixed":
+    ev = _eviction_record(rng, B, K, T, prompt_len=T // 4)
+  elif case.evict == "window":   # StreamingLLM-like: key j leaves the cache at j + 24, so
+    ev = np.broadcast_to(np.arange(T) + 24, (B, K, T)).astype(np.int32)  # early key blocks
+  else:                          # are hidden from late query blocks (dk/dv loop bound)
+    ev = None
   lvis = LayerVisibility(segment_ids=vis.segment_ids,
                          evicted_at=None if ev is None else jnp.asarray(ev))
   do = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
@@ -83,17 +88,17 @@ def _kernel_and_reference(case: Case, q, k, v, vis, do):
 
 CASES = [
     # T, N, K (G = N // K), blocks (fwd q, fwd k, bwd q, bwd k), padding, eviction
-    Case(T=64, N=2, K=2, blocks=BlockSizes(16, 16, 16, 16), pad="none", evict=False),
+    Case(T=64, N=2, K=2, blocks=BlockSizes(16, 16, 16, 16), pad="none", evict="none"),
     Case(T=64, N=4, K=2, blocks=BlockSizes(32, 16, 16, 32), pad="right"),
     Case(T=80, N=4, K=1, blocks=BlockSizes(32, 32, 32, 16), pad="left"),     # T % 32 != 0
-    Case(T=128, N=4, K=1, blocks=BlockSizes(64, 32, 32, 64), pad="packed"),
+    Case(T=128, N=4, K=1, blocks=BlockSizes(64, 32, 16, 16), pad="packed", evict="window"),
     Case(T=100, N=8, K=2, blocks=BlockSizes(16, 64, 64, 16), pad="right"),   # G = 4, T % 16
     Case(T=96, N=2, K=1, blocks=BlockSizes(32, 32, 16, 16), pad="left", H=24),  # H padded
 ]
 
 
 @pytest.mark.parametrize(
-    "case", CASES, ids=lambda c: f"T{c.T}N{c.N}K{c.K}H{c.H}-{c.pad}-{'ev' if c.evict else 'c'}")
+    "case", CASES, ids=lambda c: f"T{c.T}N{c.N}K{c.K}H{c.H}-{c.pad}-{c.evict}")
 def test_outputs_and_gradients_match_reference(case):
   q, k, v, vis, do = _inputs(case)
   (out, *grads), (ref, *ref_grads) = _kernel_and_reference(case, q, k, v, vis, do)
@@ -111,7 +116,7 @@ def test_outputs_and_gradients_match_reference(case):
 
 
 def test_fully_masked_rows_are_exact_zeros():
-  case = Case(T=64, N=2, K=1, blocks=BlockSizes(32, 32, 32, 32), pad="right", evict=False)
+  case = Case(T=64, N=2, K=1, blocks=BlockSizes(32, 32, 32, 32), pad="right", evict="none")
   q, k, v, _, _ = _inputs(case)
   # Row 0: keys 0..9 evicted at creation (ev = j) -> queries 0..9 see nothing; row 1: padding.
   ev = np.full((2, 1, 64), NEVER_EVICTED, np.int32)
