@@ -1,1 +1,12 @@
-"""trm_jax.models."""
+"""Flax NNX decoders (Qwen3, Qwen2, Llama, Qwen3-MoE) and Hugging Face checkpoint import/export.
+
+  model = from_pretrained(path, dtype=jnp.float32, param_dtype=None, mesh=None, rules=None)
+  logits = model(tokens)                       # [B, T] int32 -> [B, T, V] float32
+  save_pretrained(model, out_dir)              # config.json + safetensors for transformers
+"""
+from trm_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from trm_jax.models.decoder import Decoder, make_test_model
+from trm_jax.models.hf_io import from_pretrained, save_pretrained
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig", "Decoder", "make_test_model",
+           "from_pretrained", "save_pretrained"]

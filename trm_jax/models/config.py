@@ -1,0 +1,250 @@
+"""`ModelConfig`: one frozen description of every decoder this package runs.
+
+Built from a Hugging Face `config.json` dict (`ModelConfig.from_hf`) and written back
+(`ModelConfig.to_hf`). One implementation covers four `model_type`s; what differs between them
+is a handful of flags resolved here, so the model code never branches on `model_type`:
+
+  qwen3      q/k RMSNorm on the head dim; q/k/v/o bias iff `attention_bias`.
+  qwen2      q/k/v bias always (checkpoints in the wild say `attention_bias: null` and still
+             carry the biases, so the flag is ignored); no o bias; no q/k norm.
+  llama      q/k/v/o bias iff `attention_bias`; optional `llama3` RoPE frequency scaling.
+  qwen3_moe  qwen3 attention + sparse MoE MLP (softmax router, top-k, `norm_topk_prob`) on
+             layers selected by `decoder_sparse_step` / `mlp_only_layers`.
+
+RoPE parameters are accepted both as top-level `rope_theta` / `rope_scaling` (transformers 4)
+and as `rope_parameters` (transformers 5). Anything we do not implement (sliding window,
+non-SiLU activations, MLP bias, other RoPE types) raises instead of being silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Tuple, Union
+
+import jax.numpy as jnp
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+TokenIds = Union[None, int, Tuple[int, ...]]
+
+
+def dtype_name(dtype: Any) -> str:
+  """Canonical name ("float32", "bfloat16", ...) of a jnp/np dtype or dtype name."""
+  name = jnp.dtype(dtype).name
+  if name not in _DTYPES:
+    raise ValueError(f"dtype {name!r} not supported; expected one of {sorted(_DTYPES)}")
+  return name
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Hyper-parameters of a decoder; hashable so it can be a static jit argument."""
+  model_type: str = "qwen3"           # one of SUPPORTED_MODEL_TYPES
+  vocab_size: int = 128               # V
+  hidden_size: int = 64               # D
+  intermediate_size: int = 128        # F of dense MLPs
+  num_layers: int = 2                 # L
+  num_heads: int = 4                  # N
+  num_kv_heads: int = 2               # K
+  head_dim: int = 16                  # H
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False   # unembedding reuses the [V, D] embedding table
+  qkv_bias: bool = False              # q/k/v projections carry a bias
+  o_bias: bool = False                # output projection carries a bias
+  qk_norm: bool = True                # RMSNorm over H on q and k before RoPE (Qwen3)
+  # RoPE
+  rope_theta: float = 10000.0
+  rope_type: str = "default"          # "default" or "llama3"
+  rope_factor: float = 1.0            # llama3: wavelength stretch of low frequencies
+  rope_low_freq_factor: float = 1.0   # llama3
+  rope_high_freq_factor: float = 4.0  # llama3
+  rope_original_max_position: int = 8192  # llama3: pre-training context length
+  max_position_embeddings: int = 32768
+  # MoE (qwen3_moe only; num_experts = 0 means every MLP is dense)
+  num_experts: int = 0                # E
+  num_experts_per_tok: int = 0        # top-k
+  moe_intermediate_size: int = 0      # F of each expert
+  norm_topk_prob: bool = False        # renormalise the top-k router probabilities to sum 1
+  decoder_sparse_step: int = 1        # layer l is MoE iff (l + 1) % step == 0 ...
+  mlp_only_layers: Tuple[int, ...] = ()  # ... and l is not listed here
+  # Special tokens, carried so export round-trips and samplers know when to stop.
+  bos_token_id: TokenIds = None
+  eos_token_id: TokenIds = None
+  pad_token_id: TokenIds = None
+  # Numerics and memory
+  dtype: str = "float32"              # compute dtype of activations and matmuls
+  param_dtype: str = "float32"        # storage dtype of parameters
+  remat: bool = False                 # rematerialise each block in the backward pass
+
+  def __post_init__(self):
+    if self.model_type not in SUPPORTED_MODEL_TYPES:
+      raise ValueError(f"unsupported model_type {self.model_type!r}; supported: "
+                       f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                       f"num_key_value_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if self.rope_type not in ("default", "llama3"):
+      raise ValueError(f"rope_type {self.rope_type!r} not supported; expected default or llama3")
+    if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+      raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                       f"[1, num_experts={self.num_experts}]")
+    object.__setattr__(self, "dtype", dtype_name(self.dtype))
+    object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
+    object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+
+  @property
+  def compute_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def weight_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+  def is_moe_layer(self, l: int) -> bool:
+    """Same rule as transformers' Qwen3MoeDecoderLayer."""
+    return (self.num_experts > 0 and l not in self.mlp_only_layers
+            and (l + 1) % self.decoder_sparse_step == 0)
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  # ------------------------------------------------------------------ HF config.json
+  @classmethod
+  def from_hf(cls, hf: Mapping[str, Any], *, dtype: Any = jnp.float32,
+              param_dtype: Optional[Any] = None, remat: bool = False) -> "ModelConfig":
+    """Parses a transformers `config.json` dict; raises naming any unsupported key."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+      raise ValueError(f"unsupported model_type {model_type!r} in config.json; supported: "
+                       f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+
+    def req(key):
+      if key not in hf or hf[key] is None:
+        raise ValueError(f"config.json ({model_type}) lacks required key {key!r}")
+      return hf[key]
+
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+      raise ValueError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
+    if hf.get("use_sliding_window"):
+      raise ValueError("config.json use_sliding_window=true: sliding-window attention is not "
+                       "supported")
+    if hf.get("mlp_bias"):
+      raise ValueError("config.json mlp_bias=true: MLP biases are not supported")
+    num_heads = int(req("num_attention_heads"))
+    hidden = int(req("hidden_size"))
+    head_dim = hf.get("head_dim") or hidden // num_heads
+    attention_bias = bool(hf.get("attention_bias") or False)
+    qkv_bias = True if model_type == "qwen2" else attention_bias
+    o_bias = False if model_type == "qwen2" else attention_bias
+
+    rope = _parse_rope(hf)
+    moe = {}
+    if model_type == "qwen3_moe":
+      num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+      if num_experts is None:
+        raise ValueError("config.json (qwen3_moe) lacks 'num_experts' / 'num_local_experts'")
+      moe = dict(num_experts=int(num_experts),
+                 num_experts_per_tok=int(req("num_experts_per_tok")),
+                 moe_intermediate_size=int(req("moe_intermediate_size")),
+                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                 decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                 mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
+    return cls(
+        model_type=model_type,
+        vocab_size=int(req("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(req("intermediate_size")),
+        num_layers=int(req("num_hidden_layers")),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias, o_bias=o_bias,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        bos_token_id=_token_ids(hf.get("bos_token_id")),
+        eos_token_id=_token_ids(hf.get("eos_token_id")),
+        pad_token_id=_token_ids(hf.get("pad_token_id")),
+        dtype=dtype_name(dtype),
+        param_dtype=dtype_name(dtype if param_dtype is None else param_dtype),
+        remat=remat, **rope, **moe)
+
+  def to_hf(self) -> dict:
+    """A `config.json` dict that transformers 5 loads into the same network."""
+    hf = {
+        "architectures": [_ARCHITECTURES[self.model_type]],
+        "model_type": self.model_type,
+        "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_layers,
+        "num_attention_heads": self.num_heads,
+        "num_key_value_heads": self.num_kv_heads,
+        "head_dim": self.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": self.rms_norm_eps,
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "max_position_embeddings": self.max_position_embeddings,
+        "bos_token_id": _json_ids(self.bos_token_id),
+        "eos_token_id": _json_ids(self.eos_token_id),
+        "pad_token_id": _json_ids(self.pad_token_id),
+        "dtype": self.param_dtype,
+        "rope_parameters": self._rope_parameters(),
+    }
+    if self.model_type != "qwen2":
+      hf["attention_bias"] = self.qkv_bias
+    if self.model_type == "llama":
+      hf["mlp_bias"] = False
+    if self.model_type == "qwen3_moe":
+      hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers))
+    return hf
+
+  def _rope_parameters(self) -> dict:
+    rope = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+    if self.rope_type == "llama3":
+      rope.update(factor=self.rope_factor, low_freq_factor=self.rope_low_freq_factor,
+                  high_freq_factor=self.rope_high_freq_factor,
+                  original_max_position_embeddings=self.rope_original_max_position)
+    return rope
+
+
+def _parse_rope(hf: Mapping[str, Any]) -> dict:
+  """RoPE fields from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+  params = dict(hf.get("rope_scaling") or {})
+  params.update(hf.get("rope_parameters") or {})
+  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+  rope_type = params.get("rope_type", params.get("type", "default"))
+  if params.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError("config.json partial_rotary_factor != 1 is not supported")
+  out = dict(rope_theta=float(theta), rope_type=rope_type)
+  if rope_type == "llama3":
+    for ours, theirs in (("rope_factor", "factor"), ("rope_low_freq_factor", "low_freq_factor"),
+                         ("rope_high_freq_factor", "high_freq_factor"),
+                         ("rope_original_max_position", "original_max_position_embeddings")):
+      if theirs not in params:
+        raise ValueError(f"config.json llama3 RoPE parameters lack {theirs!r}")
+      out[ours] = params[theirs]
+    out["rope_original_max_position"] = int(out["rope_original_max_position"])
+  elif rope_type != "default":
+    raise ValueError(f"config.json rope_type {rope_type!r} not supported; expected "
+                     "'default' or 'llama3'")
+  return out
+
+
+def _token_ids(x) -> TokenIds:
+  if x is None or isinstance(x, int):
+    return x
+  return tuple(int(i) for i in x)
+
+
+def _json_ids(x):
+  return list(x) if isinstance(x, tuple) else x

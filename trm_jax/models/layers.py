@@ -1,0 +1,217 @@
+"""Building blocks of the decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP, sparse MoE.
+
+Every parameter is an `nnx.Param` carrying `logical_axes` (see `trm_jax.sharding`), stored in
+`config.param_dtype` and cast to `config.dtype` at use. Weight layouts are the einsum-friendly
+ones (`DNH`, `NHD`, `EDF`), not torch's `[out, in]`; `hf_io.py` converts.
+
+Numerics follow transformers where it matters for parity: RMSNorm reduces in fp32, casts the
+normalised activations to the compute dtype, then multiplies by the weight; attention logits and
+softmax are fp32 (`trm_jax.kernels.attention`); the MoE router softmax is fp32. Deviation: RoPE
+rotates in fp32 and casts once (transformers rounds cos/sin to the compute dtype first), which
+only differs below bf16 precision.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from trm_jax import sharding as shd
+from trm_jax.kernels import attention
+from trm_jax.kernels.visibility import LayerVisibility
+from trm_jax.models.config import ModelConfig
+
+# transformers' default `initializer_range`: random models start at the same scale as HF ones.
+INIT_STD = 0.02
+
+
+def param(rngs: Optional[nnx.Rngs], shape: Sequence[int], axes: Sequence[Optional[str]],
+          dtype, init: str = "normal") -> nnx.Param:
+  """An nnx.Param with logical axes; init is "normal" (std INIT_STD), "ones" or "zeros"."""
+  if len(shape) != len(axes):
+    raise ValueError(f"shape {tuple(shape)} and logical axes {tuple(axes)} differ in rank")
+  if init == "normal":
+    value = INIT_STD * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
+  elif init == "ones":
+    value = jnp.ones(tuple(shape), jnp.float32)
+  elif init == "zeros":
+    value = jnp.zeros(tuple(shape), jnp.float32)
+  else:
+    raise ValueError(f"unknown init {init!r}")
+  return nnx.Param(value.astype(dtype), **{shd.LOGICAL_AXES_KEY: tuple(axes)})
+
+
+class RMSNorm(nnx.Module):
+  """y = w * (x / sqrt(mean(x^2) + eps)); the mean is taken in fp32."""
+
+  def __init__(self, dim: int, cfg: ModelConfig):
+    self.eps = cfg.rms_norm_eps
+    self.scale = param(None, (dim,), (shd.NORM,), cfg.weight_dtype, "ones")
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """[H/2] float32 inverse frequencies, with llama3 scaling when configured.
+
+  llama3 (Llama 3.1 report; transformers `_compute_llama3_parameters`): wavelengths longer than
+  original_max / low_freq_factor are stretched by `factor`, shorter than original_max /
+  high_freq_factor are kept, and the band in between interpolates smoothly.
+  """
+  H = cfg.head_dim
+  inv = (1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float32) / H)).astype(np.float32)
+  if cfg.rope_type == "default":
+    return inv
+  factor, lo, hi = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+  old = cfg.rope_original_max_position
+  wavelen = 2 * np.pi / inv
+  scaled = np.where(wavelen > old / lo, inv / factor, inv)
+  smooth = (old / wavelen - lo) / (hi - lo)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates x [B, T, n, H] by positions [B, T] (half-split convention, as transformers)."""
+  freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, T, H/2]
+  cos = jnp.cos(freqs)[:, :, None, :]
+  sin = jnp.sin(freqs)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """GQA self-attention; `qkv` and `out` are exposed for the rollout engine's cached decode."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pd = cfg.weight_dtype
+    self.cfg = cfg
+    self.q_proj = param(rngs, (D, N, H), (shd.EMBED, shd.Q_HEADS, shd.HEAD_DIM), pd)
+    self.k_proj = param(rngs, (D, K, H), (shd.EMBED, shd.KV_HEADS, shd.HEAD_DIM), pd)
+    self.v_proj = param(rngs, (D, K, H), (shd.EMBED, shd.KV_HEADS, shd.HEAD_DIM), pd)
+    self.o_proj = param(rngs, (N, H, D), (shd.Q_HEADS, shd.HEAD_DIM, shd.EMBED), pd)
+    if cfg.qkv_bias:
+      self.q_bias = param(None, (N, H), (shd.Q_HEADS, shd.HEAD_DIM), pd, "zeros")
+      self.k_bias = param(None, (K, H), (shd.KV_HEADS, shd.HEAD_DIM), pd, "zeros")
+      self.v_bias = param(None, (K, H), (shd.KV_HEADS, shd.HEAD_DIM), pd, "zeros")
+    if cfg.o_bias:
+      self.o_bias = param(None, (D,), (shd.EMBED,), pd, "zeros")
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(H, cfg)
+      self.k_norm = RMSNorm(H, cfg)
+
+  def qkv(self, x: jax.Array, positions: jax.Array):
+    """x [B, T, D], positions [B, T] -> q [B, T, N, H], k/v [B, T, K, H] (normed, rotated)."""
+    cfg, dt = self.cfg, self.cfg.compute_dtype
+    x = x.astype(dt)
+    q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
+    k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dt))
+    v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dt))
+    if cfg.qkv_bias:
+      q = q + self.q_bias[...].astype(dt)
+      k = k + self.k_bias[...].astype(dt)
+      v = v + self.v_bias[...].astype(dt)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = rope_inv_freq(cfg)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+  def out(self, o: jax.Array) -> jax.Array:
+    """o [B, T, N, H] -> [B, T, D]."""
+    dt = self.cfg.compute_dtype
+    y = jnp.einsum("BTNH,NHD->BTD", o.astype(dt), self.o_proj[...].astype(dt))
+    if self.cfg.o_bias:
+      y = y + self.o_bias[...].astype(dt)
+    return y
+
+  def __call__(self, x: jax.Array, positions: jax.Array,
+               vis: Optional[LayerVisibility] = None, *, impl: str = "auto") -> jax.Array:
+    q, k, v = self.qkv(x, positions)
+    return self.out(attention(q, k, v, vis, impl=impl))
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    D, F, pd = cfg.hidden_size, cfg.intermediate_size, cfg.weight_dtype
+    self.cfg = cfg
+    self.gate_proj = param(rngs, (D, F), (shd.EMBED, shd.MLP), pd)
+    self.up_proj = param(rngs, (D, F), (shd.EMBED, shd.MLP), pd)
+    self.down_proj = param(rngs, (F, D), (shd.MLP, shd.EMBED), pd)
+
+  def __call__(self, x: jax.Array, router_noise_key: Optional[jax.Array] = None,
+               router_noise_scale: float = 0.0) -> jax.Array:
+    """x [B, T, D] -> [B, T, D]; the router-noise arguments exist for interface parity."""
+    del router_noise_key, router_noise_scale
+    dt = self.cfg.compute_dtype
+    x = x.astype(dt)
+    g = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...].astype(dt))
+    u = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...].astype(dt))
+    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, self.down_proj[...].astype(dt))
+
+
+class MoE(nnx.Module):
+  """Qwen3-MoE sparse block: fp32 softmax router over E experts, top-k, SwiGLU experts.
+
+  Dispatch sorts the B*T*k (token, expert) pairs by expert and runs three grouped matmuls
+  (`jax.lax.ragged_dot`), so compute is k/E of running every expert on every token.
+
+  Router jitter (the "MoE router mismatch" knob): with `router_noise_key`, adds
+  `router_noise_scale * N(0, 1)` to the router logits before the softmax and top-k; the key is
+  folded with this block's layer index, so the same base key gives independent noise per layer
+  whoever calls the block (learner forward or the rollout engine's decode step).
+  """
+
+  def __init__(self, cfg: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
+    D, E, F, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.weight_dtype
+    self.cfg = cfg
+    self.layer_idx = layer_idx
+    self.router = param(rngs, (D, E), (shd.EMBED, shd.EXPERTS), pd)
+    self.gate_proj = param(rngs, (E, D, F), (shd.EXPERTS, shd.EMBED, shd.MLP), pd)
+    self.up_proj = param(rngs, (E, D, F), (shd.EXPERTS, shd.EMBED, shd.MLP), pd)
+    self.down_proj = param(rngs, (E, F, D), (shd.EXPERTS, shd.MLP, shd.EMBED), pd)
+
+  def route(self, x: jax.Array, router_noise_key: Optional[jax.Array] = None,
+            router_noise_scale: float = 0.0):
+    """x [M, D] -> (weights [M, k] fp32, expert ids [M, k] int32)."""
+    cfg, dt = self.cfg, self.cfg.compute_dtype
+    logits = jnp.einsum("MD,DE->ME", x, self.router[...].astype(dt)).astype(jnp.float32)
+    if router_noise_key is not None:
+      key = jax.random.fold_in(router_noise_key, self.layer_idx)
+      logits = logits + router_noise_scale * jax.random.normal(key, logits.shape, jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)                             # [M, E]
+    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)   # [M, k]
+    if cfg.norm_topk_prob:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)    # sum >= max prob > 0
+    return weights, experts
+
+  def __call__(self, x: jax.Array, router_noise_key: Optional[jax.Array] = None,
+               router_noise_scale: float = 0.0) -> jax.Array:
+    """x [B, T, D] -> [B, T, D]."""
+    cfg, dt = self.cfg, self.cfg.compute_dtype
+    B, T, D = x.shape
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    xf = x.astype(dt).reshape(B * T, D)                                  # [M, D]
+    weights, experts = self.route(xf, router_noise_key, router_noise_scale)
+    flat = experts.reshape(-1)                                           # [M*k]
+    order = jnp.argsort(flat, stable=True)                               # sorted by expert
+    xs = xf[order // k]                                                  # [M*k, D]
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)               # [E]
+    g = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(dt), sizes)  # [M*k, F]
+    u = jax.lax.ragged_dot(xs, self.up_proj[...].astype(dt), sizes)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, self.down_proj[...].astype(dt), sizes)
+    y = y[jnp.argsort(order)].reshape(B * T, k, D)                       # back to token order
+    # transformers rounds the routing weights to the compute dtype before scaling.
+    w = weights.astype(dt).astype(jnp.float32)[..., None]
+    out = jnp.sum(y.astype(jnp.float32) * w, axis=1)                     # [M, D]
+    return out.astype(dt).reshape(B, T, D)

@@ -1,0 +1,161 @@
+"""Logical axis names, their mapping to a device mesh, and shardings for parameter pytrees.
+
+Every `nnx.Param` in `trm_jax.models` carries a `logical_axes` metadata tuple (one name per
+array dimension, constants below). Rules map a logical name to zero, one or several mesh axes
+of the fixed three-axis mesh (`data`, `fsdp`, `tensor`), the maxtext convention: the model
+says *what* a dimension is, the config says *where* it lives.
+
+Deviation from maxtext: a mesh axis that does not divide a dimension is dropped for that
+dimension (the dimension is replicated over it) instead of raising, so tiny test models and
+GQA models with few kv heads still load into any mesh. `spec_for` documents the exact rule.
+We keep our own metadata key rather than flax's `out_sharding`, because flax 0.12 shards
+`out_sharding` variables eagerly at creation and then demands a mesh for every model build.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional, Sequence, Tuple, Union
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+# Logical axis names of parameters and activations.
+BATCH = "batch"          # B
+LENGTH = "length"        # T / S
+EMBED = "embed"          # D
+VOCAB = "vocab"          # V
+Q_HEADS = "q_heads"      # N
+KV_HEADS = "kv_heads"    # K
+HEAD_DIM = "head_dim"    # H
+MLP = "mlp"              # F
+EXPERTS = "experts"      # E
+NORM = "norm"            # RMSNorm scales (tiny: always replicated)
+
+# Mesh axes, outermost first.
+DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+MESH_AXES = (DATA, FSDP, TENSOR)
+
+MeshAxes = Union[None, str, Tuple[str, ...]]
+Rules = Tuple[Tuple[str, MeshAxes], ...]
+
+# Default rules: batch over data x fsdp; weights fully sharded over fsdp on D and
+# tensor-parallel over heads / mlp / vocab. Experts are replicated (no expert parallelism).
+DEFAULT_RULES: Rules = (
+    (BATCH, (DATA, FSDP)),
+    (LENGTH, None),
+    (EMBED, FSDP),
+    (VOCAB, TENSOR),
+    (Q_HEADS, TENSOR),
+    (KV_HEADS, TENSOR),
+    (HEAD_DIM, None),
+    (MLP, TENSOR),
+    (EXPERTS, None),
+    (NORM, None),
+)
+
+LOGICAL_AXES_KEY = "logical_axes"  # nnx.Param metadata key
+
+
+def make_mesh(axis_sizes: Union[Mapping[str, int], Sequence[int]],
+              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A (data, fsdp, tensor) mesh with Auto axis types.
+
+  Args:
+    axis_sizes: {"fsdp": 2, "tensor": 4} (missing axes get size 1) or a 3-sequence of sizes
+      in MESH_AXES order.
+    devices: defaults to the first prod(sizes) of jax.devices().
+  """
+  if isinstance(axis_sizes, Mapping):
+    unknown = set(axis_sizes) - set(MESH_AXES)
+    if unknown:
+      raise ValueError(f"unknown mesh axes {sorted(unknown)}; expected a subset of {MESH_AXES}")
+    shape = tuple(int(axis_sizes.get(a, 1)) for a in MESH_AXES)
+  else:
+    shape = tuple(int(s) for s in axis_sizes)
+    if len(shape) != len(MESH_AXES):
+      raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} sizes {MESH_AXES}")
+  n = math.prod(shape)
+  devices = list(jax.devices()[:n] if devices is None else devices)
+  if len(devices) != n:
+    raise ValueError(f"mesh shape {dict(zip(MESH_AXES, shape))} needs {n} devices, "
+                     f"got {len(devices)}")
+  # Auto axes: shardings propagate through jit; Explicit (jax.make_mesh's default) would make
+  # every op's output sharding part of its type, which this code base does not use.
+  return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES,
+              axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def spec_for(axes: Sequence[Optional[str]], *, shape: Optional[Sequence[int]] = None,
+             mesh: Optional[Mesh] = None, rules: Optional[Rules] = None) -> PartitionSpec:
+  """PartitionSpec for an array whose dimensions have logical names `axes`.
+
+  A logical name missing from the rules is an error (so a typo cannot silently replicate a
+  weight). Each mesh axis is used at most once per array (first dimension wins); with `shape`
+  and `mesh`, mesh axes are kept for a dimension only while their size product divides it.
+  """
+  rules = dict(DEFAULT_RULES if rules is None else rules)
+  used = set()
+  out = []
+  for d, name in enumerate(axes):
+    if name is None:
+      out.append(None)
+      continue
+    if name not in rules:
+      raise ValueError(f"logical axis {name!r} has no sharding rule; rules cover {sorted(rules)}")
+    target = rules[name]
+    target = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    kept = []
+    for m in target:
+      if m in used:
+        continue
+      if shape is not None and mesh is not None:
+        size = math.prod(mesh.shape[a] for a in kept) * mesh.shape[m]
+        if shape[d] % size:
+          continue
+      kept.append(m)
+    used.update(kept)
+    out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return PartitionSpec(*out)
+
+
+def named_sharding(mesh: Mesh, axes: Sequence[Optional[str]], shape: Sequence[int],
+                   rules: Optional[Rules] = None) -> NamedSharding:
+  return NamedSharding(mesh, spec_for(axes, shape=shape, mesh=mesh, rules=rules))
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def param_axes(var: nnx.Variable) -> Tuple[Optional[str], ...]:
+  """The logical axes of one parameter; raises if the parameter was created without them."""
+  axes = var.get_metadata().get(LOGICAL_AXES_KEY)
+  if axes is None or len(axes) != np.ndim(var.get_value()):
+    raise ValueError(f"parameter of shape {np.shape(var.get_value())} lacks logical axes "
+                     f"(metadata {LOGICAL_AXES_KEY!r} = {axes!r})")
+  return tuple(axes)
+
+
+def state_shardings(state, mesh: Mesh, rules: Optional[Rules] = None):
+  """NamedSharding for every Variable of an nnx state (same tree structure, leaves replaced).
+
+  Variables without logical axes (none in trm_jax.models) are replicated.
+  """
+  def one(v):
+    axes = v.get_metadata().get(LOGICAL_AXES_KEY)
+    shape = np.shape(v.get_value())
+    if axes is None:
+      return NamedSharding(mesh, PartitionSpec())
+    return named_sharding(mesh, param_axes(v), shape, rules)
+  return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Optional[Rules] = None) -> nnx.Module:
+  """Moves a built model's parameters onto `mesh` following their logical axes (in place)."""
+  state = nnx.state(model)
+  shardings = state_shardings(state, mesh, rules)
+  nnx.update(model, jax.tree.map(lambda v, s: jax.device_put(v.get_value(), s), state, shardings,
+                                 is_leaf=_is_var))
+  return model
