@@ -128,6 +128,23 @@ def test_fully_masked_rows_are_exact_zeros():
   assert np.all(np.abs(out[0, 10:]).sum(-1) > 0) and np.all(np.abs(out[1, :40]).sum(-1) > 0)
 
 
+def test_forward_backward_never_materialises_a_TxT_array():
+  """The memory claim: compiled temporaries stay well below one [N, T, T] fp32 array."""
+  B, T, N, K, H = 1, 1024, 2, 1, 16
+  shapes = (jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, T, K, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, T), jnp.int32),
+            jax.ShapeDtypeStruct((B, K, T), jnp.int32))
+
+  def loss(q, k, seg, ev):
+    return flash_attention(q, k, k, LayerVisibility(seg, ev), interpret=True).sum()
+
+  grad = jax.grad(loss, argnums=(0, 1))
+  temp = jax.jit(grad).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+  one_txt = B * N * T * T * 4   # 8 MiB; the kernel needs ~1.2 MiB, the reference ~32 MiB
+  assert temp < one_txt // 2, (temp, one_txt)
+
+
 def test_dispatcher_routes_and_validates():
   case = Case(T=32, N=2, K=1, blocks=BlockSizes(16, 16, 16, 16), pad="right")
   q, k, v, vis, _ = _inputs(case)
