@@ -87,6 +87,9 @@ def test_truncated_rollout_distribution():
   assert np.isfinite(kl).all()
   np.testing.assert_allclose(kl, ref_kl, rtol=1e-5)
   np.testing.assert_allclose(tv, ref_tv, rtol=1e-5)
+  # Usable as a loss: the gradient w.r.t. theta's logits is finite despite the -inf.
+  g = jax.grad(lambda z: jnp.sum(trm.token_divergences(z, lr, mask)[0]))(jnp.asarray(lt))
+  assert np.isfinite(g).all() and np.abs(g).sum() > 0
   # theta truncated where roll is not: KL(roll || theta) = +inf by design, TV stays finite.
   kl, tv = trm.token_divergences(lr[..., ::-1], lr, mask)
   assert np.isposinf(kl).all() and np.isfinite(tv).all()

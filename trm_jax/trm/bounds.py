@@ -36,8 +36,6 @@ given (with one of them it coincides with adaptive_kl or adaptive_tv, which are 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,7 +45,7 @@ BOUND_NAMES = ("classical", "coupling", "pm_kl", "pm_tv", "mix_kl", "mix_tv",
 
 
 def _is_traced_or_jax(x) -> bool:
-  return isinstance(x, (jax.Array, jax.core.Tracer))
+  return isinstance(x, jax.Array)  # tracers are jax.Array instances too
 
 
 def pinsker_fill(*, delta=None, eps=None, kl_seq=None, tv_seq=None) -> dict:
