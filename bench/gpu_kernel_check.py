@@ -61,8 +61,10 @@ TINY_CHECKS = [
 ]
 # Timings: a Qwen3-4B-like layer (32 query heads, 8 kv heads, H = 128), bf16.
 FULL_TIMINGS = [
-    ("qwen3_4b_T2048", 1, 2048, 32, 8, 128, "bfloat16", "right", "mixed", BlockSizes(64, 64, 32, 32)),
-    ("qwen3_4b_T4096", 1, 4096, 32, 8, 128, "bfloat16", "right", "mixed", BlockSizes(64, 64, 32, 32)),
+    ("qwen3_4b_T2048", 1, 2048, 32, 8, 128, "bfloat16", "right", "mixed",
+     BlockSizes(64, 64, 32, 32)),
+    ("qwen3_4b_T4096", 1, 4096, 32, 8, 128, "bfloat16", "right", "mixed",
+     BlockSizes(64, 64, 32, 32)),
     ("qwen3_4b_T4096_big_blocks", 1, 4096, 32, 8, 128, "bfloat16", "right", "mixed",
      BlockSizes(128, 64, 64, 64)),
 ]
