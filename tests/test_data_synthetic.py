@@ -9,7 +9,8 @@ from trm_jax.data.batching import make_prompt_batch, make_sft_batch
 from trm_jax.data.problem import Problem
 from trm_jax.data.rewards import math_reward
 from trm_jax.data.synthetic import (SyntheticConfig, format_problem, make_synthetic_tokenizer,
-                                    max_completion_chars, max_prompt_chars, problem_at,
+                                    max_completion_chars, max_completion_tokens,
+                                    max_prompt_chars, max_prompt_tokens, problem_at,
                                     problem_batch)
 
 CONFIGS = [
@@ -62,6 +63,16 @@ def test_length_bounds_are_exact_without_subtraction(config):
   worst = format_problem(config, [config.max_value] * n, ["+"] * (n - 1))
   assert len(worst.solution) == max_completion_chars(config)
   assert len(worst.prompt) == max_prompt_chars(config)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=range(len(CONFIGS)))
+def test_token_bounds(tok, config):
+  worst_prompt = max_prompt_tokens(config, tok)
+  assert worst_prompt == max_prompt_chars(config) + len(
+      tok.apply_chat_template([{"role": "user", "content": ""}], tokenize=True))
+  for p in problem_batch(config, 5, 0, 100):
+    assert len(tok.apply_chat_template(p.messages(), tokenize=True)) <= worst_prompt
+    assert len(tok.encode(p.solution)) + 1 <= max_completion_tokens(config)
 
 
 def test_deterministic_by_seed_and_index():

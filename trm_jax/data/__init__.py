@@ -8,5 +8,6 @@ from trm_jax.data.loaders import (DEFAULT_INSTRUCTION, load_aime, load_dapo_math
 from trm_jax.data.problem import Problem
 from trm_jax.data.rewards import answers_match, extract_answer, math_reward
 from trm_jax.data.synthetic import (SyntheticConfig, make_synthetic_tokenizer,
-                                    max_completion_chars, max_prompt_chars, problem_at,
+                                    max_completion_chars, max_completion_tokens,
+                                    max_prompt_chars, max_prompt_tokens, problem_at,
                                     problem_batch)

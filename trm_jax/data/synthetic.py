@@ -149,6 +149,20 @@ def max_prompt_chars(config: SyntheticConfig) -> int:
   return config.max_operands * (len(str(config.max_value)) + 1) - 1
 
 
+def max_prompt_tokens(config: SyntheticConfig, tokenizer: Tokenizer) -> int:
+  """Exact maximum prompt length in tokens: the widest problem rendered through the chat
+  template with its generation prompt (sizes the sampler's static prompt width)."""
+  n = config.max_operands
+  worst = format_problem(config, [config.max_value] * n, ["+"] * (n - 1))
+  return len(tokenizer.apply_chat_template(worst.messages(), add_generation_prompt=True,
+                                           tokenize=True))
+
+
+def max_completion_tokens(config: SyntheticConfig) -> int:
+  """Upper bound on generated tokens for a correct solution: the solution plus <eos>."""
+  return max_completion_chars(config) + 1
+
+
 def make_synthetic_tokenizer(path: str) -> Tokenizer:
   """Writes tokenizer.json + tokenizer_config.json for the task into `path` and loads them."""
   from tokenizers import Regex, decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
