@@ -16,11 +16,13 @@ a `*.orbax-checkpoint-tmp` directory that orbax never lists as a step and that
 last finalized step is never touched by a later save, so a crash cannot corrupt it.
 
 Corruption after the fact (a truncated or deleted file, garbage written over array data, a
-missing metadata file) is not something the rename protects against, and a zarr chunk
-overwritten in place may decode without any error. So `restore_latest` walks the steps from
-the newest down, restores each one and recomputes every leaf's fingerprint; the first step that
-restores cleanly and matches is returned, and every step skipped is named in a logged warning
-with the reason. The fingerprint is two uint32 sums over the leaf's bit pattern (plain and
+missing metadata file) is not something the rename protects against. Tensorstore catches most
+of it while decoding, but not all: array files replaced by those of another step restore
+without any error. So `restore_latest` walks the steps from the newest down, restores each one
+and recomputes every leaf's fingerprint; the first step that restores cleanly and matches is
+returned, and every step skipped is named in a logged warning with the reason. The skipped
+steps are then deleted: orbax refuses to overwrite an existing step, and keep-last-k would
+count the bad steps and drop the resumed run's fresh ones. The fingerprint is two uint32 sums over the leaf's bit pattern (plain and
 position-mixed); integer addition mod 2^32 does not depend on reduction order, so it is the
 same for any sharding or device count. It detects any single changed word, it is not a
 cryptographic hash.
@@ -30,10 +32,16 @@ Typed PRNG keys (`jax.random.key`) cannot be serialised as such: they are saved 
 rebuilt with `jax.random.wrap_key_data` on restore. Legacy uint32 keys are plain arrays.
 
 Multi-process: orbax coordinates the save across processes once `jax.distributed` is
-initialised (every process calls `maybe_save` with the same step; each writes its own shards,
-the primary process writes the JSON items and does the rename). This module writes no file
-itself; meta and integrity go through `ocp.args.JsonSave`. Fingerprints are computed by one
-jitted global reduction, so every process sees the same numbers.
+initialised (every process calls `maybe_save` and `restore_latest` with the same arguments;
+each writes its own shards, the primary process writes the JSON items and does the rename).
+This module writes no file itself; meta and integrity go through `ocp.args.JsonSave`, and
+deleting bad steps goes through `CheckpointManager.delete`. Every leaf must then be a global
+jax.Array (orbax rejects host-local ones: put a PRNG key on the mesh, replicated).
+Fingerprints come from a jitted global reduction, so every process sees the same numbers and
+takes the same fallback decision. Limitation: a read error that only some processes hit (the
+damage is in their shards) makes those processes leave orbax's restore barrier early, and
+orbax then waits for its barrier timeout instead of falling back in step; damage to the
+JSON items or the shared OCDBT manifest is seen by all processes alike.
 """
 from __future__ import annotations
 
@@ -262,7 +270,6 @@ class Checkpointer:
     self.save_every = save_every
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
-        save_interval_steps=save_every,
         enable_async_checkpointing=async_save,
         # Removes `*.orbax-checkpoint-tmp` left by a process killed mid-save.
         cleanup_tmp_directories=True,
@@ -279,11 +286,11 @@ class Checkpointer:
     has a checkpoint is not saved again. Returns whether a save was started.
     """
     step = int(step)
+    _check_meta(meta)  # On every call, so a bad meta fails at the first step, not the first save.
     if not force and step % self.save_every != 0:
       return False
     if step in self._manager.all_steps():
       return False
-    _check_meta(meta)
     stored, impls = _to_storable(state)
     integrity = _integrity_record(stored, impls)
     self._manager.save(
@@ -305,6 +312,7 @@ class Checkpointer:
     those step numbers again. Raises RuntimeError naming the directory if checkpoints exist but
     none is good, and ValueError if a checkpoint's tree does not match `abstract_state`.
     """
+    self._manager.wait_until_finished()  # a save of ours in flight is not yet a step
     self._manager.reload()  # pick up steps written by a previous process
     steps = sorted(self._manager.all_steps(), reverse=True)
     if not steps:
@@ -341,6 +349,9 @@ class Checkpointer:
         raise ValueError(f"integrity record missing or of unknown format: {record!r:.80}")
       if not isinstance(meta, dict):
         raise ValueError(f"meta missing or not a dict: {meta!r:.80}")
+      fields = {"shape", "dtype", "prng_impl", "fingerprint"}
+      if not all(fields <= set(v) for v in record.get("leaves", {}).values()):
+        raise ValueError(f"integrity record lacks some of the fields {sorted(fields)}")
     except Exception as e:  # orbax raises many types for a damaged directory
       raise _Corrupt() from e
     _check_structure(record, abstract_stored, self.directory, step)  # a caller error: raise
