@@ -53,9 +53,13 @@ class _Entry:
   groups: Tuple[Tuple[int, ...], ...]
   stacked: bool = False
 
+  def merged_shape(self, dims: Sequence[int]) -> Tuple[int, ...]:
+    """Our (non-expert) dims with each group merged: the HF shape before any transpose."""
+    return tuple(math.prod(dims[i] for i in g) for g in self.groups)
+
   def hf_shape(self, ours: Sequence[int]) -> Tuple[int, ...]:
-    dims = ours[1:] if self.stacked else ours
-    merged = tuple(math.prod(dims[i] for i in g) for g in self.groups)
+    """Shape of each on-disk tensor for our parameter shape `ours`."""
+    merged = self.merged_shape(ours[1:] if self.stacked else ours)
     return merged[::-1] if self.transpose else merged
 
 
@@ -230,9 +234,7 @@ def _hf_from_ours(entry: _Entry, ours: np.ndarray) -> List[np.ndarray]:
   parts = list(ours) if entry.stacked else [ours]
   out = []
   for x in parts:
-    merged = entry.hf_shape(x.shape)
-    merged = merged[::-1] if entry.transpose else merged
-    x = x.reshape(merged)
+    x = x.reshape(entry.merged_shape(x.shape))
     out.append(np.ascontiguousarray(x.T if entry.transpose else x))
   return out
 
