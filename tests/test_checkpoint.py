@@ -369,28 +369,37 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_sigkill_mid_save_keeps_last_good_checkpoint(tmp_path):
-  d = tmp_path / "ckpt"
+def _run_and_kill_mid_save(d) -> bool:
+  """Starts the saving child, SIGKILLs it while a save is in flight; True if a tmp dir stayed."""
   proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(d)],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  killed_with_tmp = False
   deadline = time.time() + 60
   try:
     while time.time() < deadline and proc.poll() is None:
       names = os.listdir(d) if d.exists() else []
-      # Kill only while an async write of a later step is in flight.
+      # Kill only once a step is finalized and an async write of a later one is in flight.
       if any(n.isdigit() for n in names) and any(".orbax-checkpoint-tmp" in n for n in names):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        killed_with_tmp = any(".orbax-checkpoint-tmp" in n for n in os.listdir(d))
-        break
+        assert proc.returncode == -signal.SIGKILL
+        return any(".orbax-checkpoint-tmp" in n for n in os.listdir(d))
       time.sleep(0.002)
   finally:
     if proc.poll() is None:
       proc.kill()
       proc.wait()
-  assert proc.returncode == -signal.SIGKILL
-  assert killed_with_tmp, "the kill did not land during a save"
+  raise AssertionError(f"child never got to its second save (exit code {proc.returncode})")
+
+
+def test_sigkill_mid_save_keeps_last_good_checkpoint(tmp_path):
+  # The rename can land between our listdir and the kill (a sub-millisecond window in a
+  # ~100 ms save); then try again, so that the kill provably lands mid-save.
+  for attempt in range(3):
+    d = tmp_path / f"ckpt{attempt}"
+    if _run_and_kill_mid_save(d):
+      break
+  else:
+    raise AssertionError("three kills all missed the in-flight save")
 
   abstract = {"w": jax.ShapeDtypeStruct((1 << 21,), jnp.float32,
                                         sharding=jax.sharding.SingleDeviceSharding(
@@ -398,10 +407,11 @@ def test_sigkill_mid_save_keeps_last_good_checkpoint(tmp_path):
               "rng": jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
                                           sharding=jax.sharding.SingleDeviceSharding(
                                               jax.devices()[0]))}
+  newest = max(int(n) for n in os.listdir(d) if n.isdigit())
   ck = Checkpointer(d, save_every=1, keep=2)
   assert not any(".orbax-checkpoint-tmp" in n for n in os.listdir(d))  # cleaned on open
   step, state, meta = ck.restore_latest(abstract)
-  assert step >= 1 and meta == {"step": step}
+  assert step == newest and meta == {"step": step}
   _assert_bitwise(state, {"w": jnp.arange(1 << 21, dtype=jnp.float32) + step,
                           "rng": jax.random.fold_in(jax.random.key(0), step)})
   ck.close()
