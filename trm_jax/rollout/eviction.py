@@ -13,7 +13,8 @@ Every policy is the same two-level ranking of the keys a (row, kv head) holds:
           oldest goes first (StreamingLLM, Xiao et al. 2024). RoPE positions are kept, not
           re-assigned inside the window (deviation from StreamingLLM's cache-relative
           positions: the learner must see the sampler's positions).
-  random  priority: fresh uniform draws per (layer, step, key); nothing protected.
+  random  priority: fresh uniform draws per (layer, step, key) (`random_priority`);
+          nothing protected.
 
 Ties fall back to the array index (older evicted first), which makes every decision a function
 of positions and scores only, not of slot layout, and lets `tests/test_rollout_resim.py`
@@ -37,12 +38,32 @@ from trm_jax.rollout.cache import LayerCache
 from trm_jax.rollout.types import RATIO_GRID, CacheConfig
 
 
-def random_priority(key: jax.Array, layer: int, step, shape) -> jax.Array:
-  """[B, K, T] uniform draws used by the random policy at query index `step` in `layer`.
+def _fmix32(x: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finaliser: a cheap bijective mixer on uint32."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x85EBCA6B)
+  x = x ^ (x >> 13)
+  x = x * jnp.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
 
-  Indexed by array position (not slot), so a re-simulation can reproduce them.
+
+def random_priority(key: jax.Array, layer: int, step, pos: jax.Array) -> jax.Array:
+  """Uniform [0, 1) draws [B, K, S] for the keys at array indices pos [B, K, S].
+
+  A hash of (key, layer, step, row, kv head, array index): fresh at every step, and indexed
+  by array position rather than slot, so a re-simulation can reproduce it. A counter hash
+  instead of `jax.random` draws because only the C held keys need a value per step, and
+  threefry per step would dominate compile time of the decode loop.
   """
-  return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, layer), step), shape)
+  B, K, S = pos.shape
+  seed = jax.random.bits(key, (), jnp.uint32)
+  row = (jnp.arange(B, dtype=jnp.uint32)[:, None] * jnp.uint32(K)
+         + jnp.arange(K, dtype=jnp.uint32)[None, :])[:, :, None]                  # [B, K, 1]
+  h = _fmix32(seed ^ (jnp.uint32(layer) * jnp.uint32(0x9E3779B9)))
+  h = _fmix32(h ^ jnp.asarray(step).astype(jnp.uint32))
+  h = _fmix32(h ^ row)
+  h = _fmix32(h ^ pos.astype(jnp.uint32))
+  return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
 
 
 def _masked_probs(q: jax.Array, k: jax.Array, q_idx: jax.Array, valid: jax.Array,
@@ -93,8 +114,8 @@ def prompt_scores(cfg: CacheConfig, q: jax.Array, k: jax.Array, valid: jax.Array
 
 
 def priorities(cfg: CacheConfig, pos: jax.Array, score: jax.Array, *, step, start: jax.Array,
-               budget: jax.Array, prompt_len: int,
-               rand_u: Optional[jax.Array]) -> Tuple[jax.Array, jax.Array]:
+               budget: jax.Array, prompt_len: int, layer: int,
+               rand_key: Optional[jax.Array]) -> Tuple[jax.Array, jax.Array]:
   """The ranking keys of held keys.
 
   Args:
@@ -104,7 +125,7 @@ def priorities(cfg: CacheConfig, pos: jax.Array, score: jax.Array, *, step, star
     start: [B] array index of each row's first valid token (P - prompt length).
     budget: [B] keys a row may hold.
     prompt_len: static P (SnapKV's window is the last `window` prompt positions).
-    rand_u: [B, K, T] `random_priority` draws for this step (random policy only).
+    rand_key: PRNG key of the random policy (see `random_priority`), else None.
   Returns:
     protected [B, K, S] bool and priority [B, K, S] fp32.
   """
@@ -116,14 +137,13 @@ def priorities(cfg: CacheConfig, pos: jax.Array, score: jax.Array, *, step, star
   if cfg.policy == "recent":
     return pos < start[:, None, None] + cfg.sinks, pos.astype(jnp.float32)
   if cfg.policy == "random":
-    u = jnp.take_along_axis(rand_u, jnp.maximum(pos, 0), axis=-1)
-    return jnp.zeros(pos.shape, bool), u
+    return jnp.zeros(pos.shape, bool), random_priority(rand_key, layer, step, pos)
   raise ValueError(f"policy {cfg.policy!r} has no eviction ranking")
 
 
 def select_prompt(cfg: CacheConfig, valid: jax.Array, score: jax.Array, keep: jax.Array, *,
-                  start: jax.Array, budget: jax.Array,
-                  rand_u: Optional[jax.Array]) -> jax.Array:
+                  start: jax.Array, budget: jax.Array, layer: int,
+                  rand_key: Optional[jax.Array]) -> jax.Array:
   """Which prompt keys stay after prefill.
 
   Args:
@@ -138,7 +158,7 @@ def select_prompt(cfg: CacheConfig, valid: jax.Array, score: jax.Array, keep: ja
     return jnp.broadcast_to(valid[:, None], (B, K, P))
   pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, K, P))
   prot, prio = priorities(cfg, pos, score, step=P, start=start, budget=budget,
-                          prompt_len=P, rand_u=rand_u)
+                          prompt_len=P, layer=layer, rand_key=rand_key)
   v = jnp.broadcast_to(valid[:, None], (B, K, P))
   order = jnp.lexsort((pos, prio, prot, v), axis=-1)     # ascending: evicted first
   rank = jnp.argsort(order, axis=-1)                      # rank of each key in that order
@@ -156,7 +176,7 @@ def _lex_argmin(valid, prot, prio, pos) -> jax.Array:
 
 def evict(cfg: CacheConfig, cache: LayerCache, evicted_at: jax.Array, *, layer: int, step,
           start: jax.Array, budget: jax.Array, prompt_len: int,
-          rand_u: Optional[jax.Array] = None):
+          rand_key: Optional[jax.Array] = None):
   """Frees one slot per (row, kv head) for the key at array index `step`.
 
   Where a row already holds `budget` keys, the lowest-ranked key leaves and
@@ -174,7 +194,8 @@ def evict(cfg: CacheConfig, cache: LayerCache, evicted_at: jax.Array, *, layer: 
   valid = cache.pos >= 0
   full = jnp.sum(valid, axis=-1) >= budget[:, None]                     # [B, K]
   prot, prio = priorities(cfg, cache.pos, cache.score, step=step, start=start,
-                          budget=budget, prompt_len=prompt_len, rand_u=rand_u)
+                          budget=budget, prompt_len=prompt_len, layer=layer,
+                          rand_key=rand_key)
   victim = _lex_argmin(valid, prot, prio, cache.pos)
   empty = jnp.argmax(~valid, axis=-1).astype(jnp.int32)
   slot = jnp.where(full, victim, empty)

@@ -109,6 +109,12 @@ def generate_from_state(graphdef, state, prompt_ids, prompt_lengths, *, key: jax
                        ccfg=cache_config, attn_impl=attn_impl)
 
 
+def stream_keys(key: jax.Array):
+  """The independent PRNG streams of one `generate` call: (sample, logit noise, router noise,
+  random eviction). Each is folded with the query index that uses it."""
+  return tuple(jax.random.split(key, 4))
+
+
 @functools.lru_cache(maxsize=None)
 def _graphdef_with_dtype(cls, config, dtype_name: str):
   """Graph of the same model computing in another dtype (same state layout)."""
@@ -127,7 +133,7 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, *, scfg: Sam
   K = model.config.num_kv_heads
   Cp, C = kv.prompt_slots(ccfg, P, N), kv.num_slots(ccfg, P, N)
   scope = ccfg.resolved_scope
-  k_sample, k_noise, k_router, k_evict = jax.random.split(key, 4)
+  k_sample, k_noise, k_router, k_evict = stream_keys(key)
 
   start = P - prompt_lengths                                          # [B]
   idx = jnp.arange(P, dtype=jnp.int32)
@@ -159,10 +165,8 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, *, scfg: Sam
     x = x + layer.attn.out(attention(q, k, v, vis, impl=attn_impl))
     x = x + mlp(layer, layer.post_attn_norm(x), P - 1)
     score = eviction.prompt_scores(ccfg, q, k, valid)                 # [B, K, P]
-    rand_u = (eviction.random_priority(k_evict, l, P, (B, K, T))
-              if ccfg.policy == "random" else None)
     kept = eviction.select_prompt(ccfg, valid, score, keep, start=start, budget=budget,
-                                  rand_u=rand_u)                      # [B, K, P]
+                                  layer=l, rand_key=k_evict)          # [B, K, P]
     dropped = valid[:, None, :] & ~kept
     evicted_at = evicted_at.at[:, l, :, :P].set(
         jnp.where(dropped, P, evicted_at[:, l, :, :P]))
@@ -202,11 +206,9 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, *, scfg: Sam
       q, k, v = layer.attn.qkv(layer.input_norm(x), pos_i)   # [B,1,N,H], [B,1,K,H]
       c = caches[l]
       if scope == "sequence":
-        rand_u = (eviction.random_priority(k_evict, l, i, (B, K, T))
-                  if ccfg.policy == "random" else None)
         c, evicted_at, slot = eviction.evict(ccfg, c, evicted_at, layer=l, step=i,
                                              start=start, budget=budget, prompt_len=P,
-                                             rand_u=rand_u)
+                                             rand_key=k_evict)
         c = kv.insert(c, slot, k[:, 0], v[:, 0], i, uniform=False)
       else:
         s = i if scope is None else Cp + (i - P)
