@@ -119,6 +119,8 @@ def test_bad_input_is_named(tmp_path):
       logger.log(1, {"reward": "high"})
     with pytest.raises(ValueError, match=r"\['step'\] are reserved"):
       logger.log(1, {"step": 1.0})
+  with pytest.raises(RuntimeError, match=r"log\(step=2\) after close"):
+    logger.log(2, {"reward": 1.0})
   with pytest.raises(ValueError, match="total_steps=0"):
     MetricsLogger(tmp_path, total_steps=0)
 

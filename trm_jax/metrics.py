@@ -143,6 +143,8 @@ class MetricsLogger:
   def log(self, step: int, metrics: Mapping[str, float]) -> None:
     """Writes one step: a JSON line (null for non-finite), TB scalars (finite only), the bar."""
     step = int(step)
+    if self._active and self._file is None:
+      raise RuntimeError(f"MetricsLogger.log(step={step}) after close() ({self.path})")
     if step <= self._last_step:
       raise ValueError(f"MetricsLogger.log step={step} is not after the last logged (or "
                        f"resumed) step {self._last_step}")
