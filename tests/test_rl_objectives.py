@@ -129,13 +129,21 @@ def test_gradients_reach_only_the_policy(name):
   assert np.abs(np.asarray(g_theta)).max() > 0
 
 
-def _one_row(log_r, adv, **kw):
-  lt = jnp.asarray(np.log(0.3) + np.asarray(log_r, np.float32))[None]   # [1, T]
-  lr = jnp.full_like(lt, np.log(0.3))
-  args = dict(logp_roll=lr, advantages=jnp.asarray([adv], jnp.float32),
-              response_mask=jnp.ones_like(lt), seq_mask=jnp.ones((1,)),
+def _one_row(log_r, adv):
+  """Row 0 of a [B, T] batch holds len(log_r) response tokens; other rows are padding.
+
+  Every test shares the [B, T] shape so eager mode compiles each primitive once.
+  """
+  L = len(log_r)
+  lt = np.full((B, T), np.log(0.3), np.float32)
+  lt[0, :L] += np.asarray(log_r, np.float32)
+  rm = np.zeros((B, T), np.float32)
+  rm[0, :L] = 1.0
+  args = dict(logp_roll=jnp.full((B, T), np.log(0.3), jnp.float32),
+              advantages=jnp.asarray([adv, 0.0, 0.0, 0.0], jnp.float32),
+              response_mask=jnp.asarray(rm), seq_mask=jnp.ones((B,)),
               loss_agg="seq-mean-token-sum")
-  return lt, args
+  return jnp.asarray(lt), args
 
 
 def test_ppo_clip_on_constructed_ratios():
@@ -150,7 +158,7 @@ def test_ppo_clip_on_constructed_ratios():
     if adv < 0:
       per_tok = np.minimum(per_tok, -adv * 3.0)
     np.testing.assert_allclose(float(loss), per_tok.sum(), rtol=1e-6)
-    g = np.asarray(g)[0]
+    g = np.asarray(g)[0, :6]
     if adv > 0:   # gradient vanishes only above 1 + eps (r = 1.5, 5.0)
       live = np.array([1, 1, 1, 1, 0, 0], bool)
       assert float(m["clip_frac"]) == pytest.approx(2 / 6)
@@ -164,13 +172,13 @@ def test_ppo_clip_on_constructed_ratios():
 
 
 def test_ppo_ratio_uses_logp_old_when_given():
-  lt, args = _one_row(np.zeros(3), 1.0)
+  lt, args = _one_row(np.zeros(6), 1.0)
   hp = dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=None)
   old = args["logp_roll"] - np.log(2.0)          # r = 2 against old: clipped, no gradient
   g = jax.grad(lambda lt: obj.ppo_clip(logp_theta=lt, logp_old=old, **args, **hp)[0])(lt)
   np.testing.assert_array_equal(np.asarray(g), 0.0)
   g = jax.grad(lambda lt: obj.ppo_clip(logp_theta=lt, **args, **hp)[0])(lt)
-  np.testing.assert_allclose(np.asarray(g), -1.0)
+  np.testing.assert_allclose(np.asarray(g)[0], -1.0)
 
 
 def test_token_mask_zeroes_the_right_tokens():
@@ -192,8 +200,8 @@ def test_tis_weight_is_truncated_and_gradient_free():
   (loss, m), g = jax.value_and_grad(
       lambda lt: obj.truncated_is(logp_theta=lt, tis_cap=2.0, **args), has_aux=True)(lt)
   w = np.minimum(np.exp(log_r), 2.0)
-  np.testing.assert_allclose(np.asarray(g)[0], 1.5 * w, rtol=1e-6)
-  np.testing.assert_allclose(float(loss), (1.5 * w * np.asarray(lt)[0]).sum(), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(g)[0, :4], 1.5 * w, rtol=1e-6)
+  np.testing.assert_allclose(float(loss), (1.5 * w * np.asarray(lt)[0, :4]).sum(), rtol=1e-6)
   assert float(m["tis_trunc_frac"]) == pytest.approx(0.5)
 
 
@@ -247,25 +255,34 @@ def test_masking_a_sequence_leaves_other_gradients_unchanged():
 
 
 def test_k3_kl_value_and_gradient():
-  lt, args = _one_row(np.zeros(4), 0.0)
-  d = np.array([0.0, 0.5, -0.5, 2.0], np.float32)          # log pi_ref - log pi_theta
+  lt, args = _one_row(np.zeros(4), 0.0)   # tokens 4, 5 are padding: d there is ignored
+  d = np.array([0.0, 0.5, -0.5, 2.0, 0.0, 0.0], np.float32)   # log pi_ref - log pi_theta
   ref = lt + d
   (loss, m), g = jax.value_and_grad(lambda lt: obj.trm_surrogate(
       logp_theta=lt, logp_ref=ref, kl_beta=0.25, **args), has_aux=True)(lt)
+  d = d[:4]
   k3 = np.exp(d) - d - 1
   np.testing.assert_allclose(float(loss), 0.25 * k3.sum(), rtol=1e-6)
   np.testing.assert_allclose(float(m["kl_ref"]), k3.mean(), rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(g)[0], 0.25 * (1 - np.exp(d)), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(g)[0, :4], 0.25 * (1 - np.exp(d)), rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(g)[:, 4:], 0.0)
 
 
 @pytest.mark.parametrize("name", sorted(obj.OBJECTIVES))
 def test_extreme_ratios_and_garbage_padding_stay_finite(name):
-  lt = jnp.asarray([[-1.0, -0.5, 0.0, np.nan], [-1e4, -2.0, -np.inf, -3.0]], jnp.float32)
-  lr = jnp.asarray([[-900.0, -0.5, -1.0, -np.inf], [-1.0, -1e4, -2.0, np.nan]], jnp.float32)
-  rm = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], jnp.float32)
+  lt = np.full((B, T), -1.0, np.float32)
+  lr = np.full((B, T), -1.0, np.float32)
+  rm = np.zeros((B, T), np.float32)
+  lt[0, :4] = [-1.0, -0.5, 0.0, np.nan]
+  lr[0, :4] = [-900.0, -0.5, -1.0, -np.inf]
+  lt[1, :4] = [-1e4, -2.0, -np.inf, -3.0]
+  lr[1, :4] = [-1.0, -1e4, -2.0, np.nan]
+  rm[0, :3] = 1.0
+  rm[1, :2] = 1.0
+  lt, lr, rm = jnp.asarray(lt), jnp.asarray(lr), jnp.asarray(rm)
   def f(lt):
-    return obj.compute_loss(name, logp_theta=lt, logp_roll=lr, advantages=jnp.asarray([1.0, -1.0]),
-                            response_mask=rm, seq_mask=jnp.ones((2,)), logp_ref=lr,
+    return obj.compute_loss(name, logp_theta=lt, logp_roll=lr, advantages=jnp.asarray([1.0, -1.0, 1.0, 1.0]),
+                            response_mask=rm, seq_mask=jnp.ones((B,)), logp_ref=lr,
                             kl_beta=0.1, **_kw(name, "token-mean"))
   (loss, m), g = jax.value_and_grad(f, has_aux=True)(lt)
   assert np.isfinite(float(loss))
