@@ -280,8 +280,10 @@ def test_extreme_ratios_and_garbage_padding_stay_finite(name):
   rm[0, :3] = 1.0
   rm[1, :2] = 1.0
   lt, lr, rm = jnp.asarray(lt), jnp.asarray(lr), jnp.asarray(rm)
+
   def f(lt):
-    return obj.compute_loss(name, logp_theta=lt, logp_roll=lr, advantages=jnp.asarray([1.0, -1.0, 1.0, 1.0]),
+    return obj.compute_loss(name, logp_theta=lt, logp_roll=lr,
+                            advantages=jnp.asarray([1.0, -1.0, 1.0, 1.0]),
                             response_mask=rm, seq_mask=jnp.ones((B,)), logp_ref=lr,
                             kl_beta=0.1, **_kw(name, "token-mean"))
   (loss, m), g = jax.value_and_grad(f, has_aux=True)(lt)

@@ -97,7 +97,9 @@ def _logp(theta, b):
 
 def _loss_fn(objective, loss_agg):
   def loss_fn(theta, b, normalizer):
-    extra = dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0) if objective == "ppo_clip" else {}
+    extra = {}
+    if objective == "ppo_clip":
+      extra = dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0)
     return obj.compute_loss(objective, logp_theta=_logp(theta, b), logp_roll=b["logp_roll"],
                             advantages=b["advantages"], response_mask=b["response_mask"],
                             seq_mask=b["seq_mask"], loss_agg=loss_agg, normalizer=normalizer,

@@ -21,8 +21,8 @@ Per-token terms (rho = pi_theta / pi_roll, r = pi_theta / pi_old, both from log 
                  -A c (dual clip, Ye et al. 2020)
   tis            -sg(min(rho, C)) A log pi_theta   (truncated IS, Yao et al. 2025: a REINFORCE
                  term re-weighted by the truncated, gradient-free ratio; its gradient is
-                 min(rho, C) A grad log pi_theta, whereas -A min(rho, C) would have no gradient
-                 once rho > C and the wrong magnitude below)
+                 min(rho, C) A grad log pi_theta. -A min(rho, C) has the same gradient below C
+                 but none above it: truncated tokens would drop out instead of counting C)
   token_mask     -A rho 1[|log rho| <= tau]     (baseline the TRM paper argues against: it
                  changes the loss, not the policy pair, so the trust region stays violated)
 Each is then multiplied by M[b] (masked sequences leave the loss entirely, the KL term too),
