@@ -409,12 +409,17 @@ def test_sigkill_mid_save_keeps_last_good_checkpoint(tmp_path):
                                               jax.devices()[0]))}
   newest = max(int(n) for n in os.listdir(d) if n.isdigit())
   ck = Checkpointer(d, save_every=1, keep=2)
-  assert not any(".orbax-checkpoint-tmp" in n for n in os.listdir(d))  # cleaned on open
   step, state, meta = ck.restore_latest(abstract)
   assert step == newest and meta == {"step": step}
   _assert_bitwise(state, {"w": jnp.arange(1 << 21, dtype=jnp.float32) + step,
                           "rng": jax.random.fold_in(jax.random.key(0), step)})
+  # The resumed run saves the step that was in flight: orbax removes the dead run's tmp dir
+  # (in the background from open, awaited before the next save) and writes it afresh.
+  assert ck.maybe_save(step + 1, state, meta={"step": step + 1})
   ck.close()
+  names = os.listdir(d)
+  assert str(step + 1) in names
+  assert not any(".orbax-checkpoint-tmp" in n for n in names), names
 
 
 # --- two processes ------------------------------------------------------------------------
