@@ -74,9 +74,10 @@ def test_bf16_checkpoint_matches_torch_bf16(tmp_path):
   np.testing.assert_array_less(np.abs(out32 - ref32)[valid].max(), TOL)
 
 
-def test_moe_parity_without_topk_renormalisation(tmp_path):
+def test_moe_parity_without_topk_renormalisation_with_attention_bias(tmp_path):
+  """norm_topk_prob=False, every layer sparse, top-3, and q/k/v/o biases (attention_bias)."""
   path = make_hf_checkpoint(str(tmp_path / "moe"), "qwen3_moe", norm_topk_prob=False,
-                            mlp_only_layers=[], num_experts_per_tok=3)
+                            mlp_only_layers=[], num_experts_per_tok=3, attention_bias=True)
   tokens, mask = sample_batch(B=2, T=9)
   ref = hf_logits(path, tokens, mask)
   out = _ours(from_pretrained(path), tokens, mask)

@@ -1,0 +1,172 @@
+"""Decoder behaviour beyond HF parity: the decode-step contract, eviction replay, remat,
+dtypes, the MoE dispatch and the router-jitter knob."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trm_jax.kernels import NEVER_EVICTED, Visibility, attention
+from trm_jax.models import Decoder, ModelConfig, make_test_model
+from trm_jax.models.decoder import default_positions
+from trm_jax.models.layers import MoE
+
+MOE = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32, norm_topk_prob=True)
+
+
+def _tokens(B=2, T=10, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, 128, (B, T)), jnp.int32)
+
+
+@nnx.jit
+def _logits(model, tokens, vis):
+  return model(tokens, visibility=vis)
+
+
+def test_call_is_unembed_of_hidden_states_chunked():
+  @nnx.jit
+  def both(model, tokens):
+    h = model.hidden_states(tokens)
+    chunks = jnp.concatenate([model.unembed(h[:, :4]), model.unembed(h[:, 4:])], axis=1)
+    return model(tokens), chunks
+  full, chunks = both(make_test_model(), _tokens())
+  assert full.dtype == jnp.float32 and full.shape == (2, 10, 128)
+  np.testing.assert_array_equal(np.asarray(chunks), np.asarray(full))
+
+
+def test_decode_submodules_compose_to_the_forward():
+  """The pieces the rollout engine calls (embed, qkv, attention, out, mlp, final_norm,
+  unembed) reproduce model(tokens) exactly."""
+  model = make_test_model(**MOE)
+  tokens = _tokens()
+  pos = default_positions(tokens, None)
+  x = model.embed(tokens)
+  for layer in model.layers:
+    q, k, v = layer.attn.qkv(layer.input_norm(x), pos)
+    assert q.shape == (2, 10, 4, 16) and k.shape == v.shape == (2, 10, 2, 16)
+    h = x + layer.attn.out(attention(q, k, v, None))
+    x = h + layer.mlp(layer.post_attn_norm(h))
+  np.testing.assert_array_equal(np.asarray(model.unembed(model.final_norm(x))),
+                                np.asarray(model(tokens)))
+
+
+def test_never_evicted_is_plain_causal_and_eviction_only_affects_later_queries():
+  model = make_test_model()
+  B, T, L, K = 2, 10, 2, 2
+  tokens = _tokens(B, T)
+  base = _logits(model, tokens, Visibility())
+  never = jnp.full((B, L, K, T), NEVER_EVICTED, jnp.int32)
+  np.testing.assert_array_equal(np.asarray(_logits(model, tokens, Visibility(evicted_at=never))),
+                                np.asarray(base))
+  # Layer 1, kv head 0 loses key 2 from query 6 on, in row 0 only.
+  evicted = never.at[0, 1, 0, 2].set(6)
+  out = np.asarray(_logits(model, tokens, Visibility(evicted_at=evicted)))
+  base = np.asarray(base)
+  np.testing.assert_array_equal(out[:, :6], base[:, :6])
+  np.testing.assert_array_equal(out[1], base[1])
+  assert np.abs(out[0, 6:] - base[0, 6:]).min() > 0
+
+
+def test_evicted_at_layer_count_is_checked():
+  model = make_test_model()
+  bad = jnp.full((1, 3, 2, 4), NEVER_EVICTED, jnp.int32)
+  with pytest.raises(ValueError, match="3 layers, model has 2"):
+    model(_tokens(1, 4), visibility=Visibility(evicted_at=bad))
+
+
+def test_remat_changes_nothing_but_memory():
+  plain = make_test_model()
+  remat = make_test_model(remat=True)
+  tokens = _tokens()
+
+  @nnx.jit
+  def loss_and_grad(m):
+    return nnx.value_and_grad(lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 0]))(m)
+  l0, g0 = loss_and_grad(plain)
+  l1, g1 = loss_and_grad(remat)
+  np.testing.assert_allclose(float(l0), float(l1), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_param_and_compute_dtypes_are_separate():
+  model = make_test_model(dtype="bfloat16", param_dtype="float32")
+  assert all(v.get_value().dtype == jnp.float32
+             for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  assert nnx.eval_shape(lambda m: m.embed(_tokens()), model).dtype == jnp.bfloat16
+  assert nnx.eval_shape(lambda m: m(_tokens()), model).dtype == jnp.float32  # logits: fp32
+  low = make_test_model(param_dtype="bfloat16")
+  assert low.layers[0].attn.q_proj[...].dtype == jnp.bfloat16
+
+
+def test_random_init_is_seeded_and_independent_of_tracing():
+  cfg = ModelConfig(**MOE)
+  a = nnx.state(Decoder(cfg, rngs=nnx.Rngs(3)))
+  b = nnx.state(nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(3)))())
+  c = nnx.state(Decoder(cfg, rngs=nnx.Rngs(4)))
+  for x, y, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(c)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  q = ("layers", 0, "attn", "q_proj")
+  fa, fc = dict(nnx.to_flat_state(a)), dict(nnx.to_flat_state(c))
+  assert not np.array_equal(np.asarray(fa[q].get_value()), np.asarray(fc[q].get_value()))
+  assert abs(float(np.std(np.asarray(fa[q].get_value()))) - 0.02) < 0.002
+
+
+def _moe_dense_reference(moe: MoE, x):
+  """Every expert on every token, combined with one-hot top-k weights."""
+  B, T, D = x.shape
+  xf = x.reshape(-1, D)
+  w, idx = moe.route(xf)
+  g = jnp.einsum("MD,EDF->MEF", xf, moe.gate_proj[...])
+  u = jnp.einsum("MD,EDF->MEF", xf, moe.up_proj[...])
+  y = jnp.einsum("MEF,EFD->MED", jax.nn.silu(g) * u, moe.down_proj[...])
+  combine = jnp.sum(jax.nn.one_hot(idx, moe.cfg.num_experts) * w[..., None], axis=1)  # [M, E]
+  return jnp.einsum("ME,MED->MD", combine, y).reshape(B, T, D)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_moe_grouped_dispatch_equals_dense_mixture(norm_topk_prob):
+  cfg = ModelConfig(**{**MOE, "norm_topk_prob": norm_topk_prob})
+  moe = MoE(cfg, 0, rngs=nnx.Rngs(1))
+  x = jax.random.normal(jax.random.key(0), (3, 7, 64))
+  w, _ = moe.route(x.reshape(-1, 64))
+  if norm_topk_prob:
+    np.testing.assert_allclose(np.asarray(w.sum(-1)), 1.0, rtol=1e-6)
+  else:
+    assert float(w.sum(-1).max()) < 1.0
+  np.testing.assert_allclose(np.asarray(moe(x)), np.asarray(_moe_dense_reference(moe, x)),
+                             atol=1e-6, rtol=1e-5)
+
+
+def test_router_noise_is_a_moe_only_seeded_knob():
+  key = jax.random.key(7)
+  tokens = _tokens()
+  dense = make_test_model()
+  np.testing.assert_array_equal(
+      np.asarray(dense(tokens, router_noise_key=key, router_noise_scale=5.0)),
+      np.asarray(dense(tokens)))
+  moe = make_test_model(**MOE)
+  clean = np.asarray(moe(tokens))
+  np.testing.assert_array_equal(
+      np.asarray(moe(tokens, router_noise_key=key, router_noise_scale=0.0)), clean)
+  noisy = np.asarray(moe(tokens, router_noise_key=key, router_noise_scale=5.0))
+  assert np.abs(noisy - clean).max() > 1e-3
+  np.testing.assert_array_equal(
+      np.asarray(moe(tokens, router_noise_key=key, router_noise_scale=5.0)), noisy)
+
+
+def test_router_noise_is_folded_with_the_layer_index():
+  """Same base key, same weights and input, different layer index -> different noise."""
+  cfg = ModelConfig(**MOE)
+  a, b = MoE(cfg, 0, rngs=nnx.Rngs(1)), MoE(cfg, 1, rngs=nnx.Rngs(1))
+  x = jax.random.normal(jax.random.key(0), (16, 64))
+  key = jax.random.key(3)
+  np.testing.assert_array_equal(np.asarray(a.route(x)[0]), np.asarray(b.route(x)[0]))
+  assert not np.array_equal(np.asarray(a.route(x, key, 1.0)[0]), np.asarray(b.route(x, key, 1.0)[0]))
+
+
+def test_default_positions_count_valid_tokens():
+  seg = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]], jnp.int32)
+  pos = default_positions(jnp.zeros((2, 5), jnp.int32), Visibility(segment_ids=seg))
+  np.testing.assert_array_equal(np.asarray(pos), [[0, 0, 0, 1, 2], [0, 1, 2, 2, 2]])
