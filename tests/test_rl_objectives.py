@@ -317,3 +317,24 @@ def test_bad_inputs_name_the_culprit():
     obj.trm_surrogate(**base, logp_ref=b["logp"])
   with pytest.raises(ValueError, match="dual_clip_c"):
     obj.ppo_clip(**base, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=0.5)
+
+
+@pytest.mark.parametrize("name", sorted(obj.OBJECTIVES))
+def test_token_advantages_and_token_weights(name):
+  # [B, T] advantages equal to a broadcast [B] give the same loss; token_weights (Sparse-RL)
+  # scale each token's gradient and nothing else.
+  b = _batch()
+  lt = b["logp"] + 0.05
+  w = jnp.asarray(np.random.default_rng(5).uniform(0.5, 1.5, (B, T)), jnp.float32)
+
+  def f(lt, adv, token_weights=None):
+    return obj.compute_loss(name, logp_theta=lt, logp_roll=b["logp"], advantages=adv,
+                            response_mask=b["response_mask"], seq_mask=b["seq_mask"],
+                            token_weights=token_weights, **_kw(name, "seq-mean-token-sum"))[0]
+
+  adv_bt = jnp.broadcast_to(b["advantages"][:, None], (B, T))
+  np.testing.assert_array_equal(np.asarray(f(lt, adv_bt)), np.asarray(f(lt, b["advantages"])))
+  g = jax.grad(f)(lt, b["advantages"])
+  g_w = jax.grad(f)(lt, b["advantages"], w)
+  np.testing.assert_allclose(np.asarray(g_w), np.asarray(w * g), rtol=1e-6, atol=1e-8)
+  assert np.abs(np.asarray(g)).max() > 0
