@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from hf_fixtures import make_hf_checkpoint, sample_batch
 from trm_jax import sharding as shd
@@ -100,5 +100,19 @@ def test_load_into_2x4_mesh_matches_single_device(tmp_path, mesh, arch):
     return model(tokens, visibility=Visibility(segment_ids=seg))
   tokens, mask = sample_batch(B=2, T=8)
   a = np.asarray(fwd(single, jnp.asarray(tokens), jnp.asarray(mask)))
-  b = np.asarray(fwd(sharded, jnp.asarray(tokens), jnp.asarray(mask)))
-  np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+  with jax.set_mesh(mesh):  # also turns on the residual-stream activation constraints
+    b = fwd(sharded, jnp.asarray(tokens), jnp.asarray(mask))
+  assert len(b.devices()) == 8
+  np.testing.assert_allclose(np.asarray(b), a, atol=1e-5, rtol=0)
+
+
+def test_constrain_is_a_noop_without_mesh_and_shards_with_one(mesh):
+  x = jnp.zeros((4, 3, 64))
+  axes = (shd.BATCH, shd.LENGTH, shd.EMBED)
+  assert shd.constrain(x, axes) is x
+  with jax.set_mesh(mesh):
+    y = jax.jit(lambda x: shd.constrain(x * 2, axes))(x)
+  # batch takes data x fsdp (size 2 here), so embed may not reuse fsdp.
+  want = NamedSharding(mesh, P(("data", "fsdp"), None, None))
+  assert y.sharding.is_equivalent_to(want, 3)
+  assert {s.data.shape for s in y.addressable_shards} == {(2, 3, 64)}

@@ -92,8 +92,9 @@ def spec_for(axes: Sequence[Optional[str]], *, shape: Optional[Sequence[int]] = 
   """PartitionSpec for an array whose dimensions have logical names `axes`.
 
   A logical name missing from the rules is an error (so a typo cannot silently replicate a
-  weight). Each mesh axis is used at most once per array (first dimension wins); with `shape`
-  and `mesh`, mesh axes are kept for a dimension only while their size product divides it.
+  weight). Each mesh axis is used at most once per array (first dimension wins); with `mesh`,
+  axes it lacks are skipped, and with `shape` too, mesh axes are kept for a dimension only
+  while their size product divides it.
   """
   rules = dict(DEFAULT_RULES if rules is None else rules)
   used = set()
@@ -108,7 +109,7 @@ def spec_for(axes: Sequence[Optional[str]], *, shape: Optional[Sequence[int]] = 
     target = () if target is None else (target,) if isinstance(target, str) else tuple(target)
     kept = []
     for m in target:
-      if m in used:
+      if m in used or (mesh is not None and m not in mesh.axis_names):
         continue
       if shape is not None and mesh is not None:
         size = math.prod(mesh.shape[a] for a in kept) * mesh.shape[m]
@@ -118,6 +119,21 @@ def spec_for(axes: Sequence[Optional[str]], *, shape: Optional[Sequence[int]] = 
     used.update(kept)
     out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
   return PartitionSpec(*out)
+
+
+def constrain(x: jax.Array, axes: Sequence[Optional[str]],
+              rules: Optional[Rules] = None) -> jax.Array:
+  """Sharding constraint on an activation by logical axes, when a mesh is set.
+
+  Inside `jax.set_mesh(mesh)` this pins e.g. the residual stream [B, T, D] to
+  (data x fsdp, -, -) at block boundaries (maxtext's practice); without a mesh it is a no-op,
+  so single-device code pays nothing.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(
+      x, spec_for(axes, shape=x.shape, mesh=mesh, rules=rules))
 
 
 def named_sharding(mesh: Mesh, axes: Sequence[Optional[str]], shape: Sequence[int],

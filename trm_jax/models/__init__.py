@@ -5,8 +5,8 @@
   save_pretrained(model, out_dir)              # config.json + safetensors for transformers
 """
 from trm_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from trm_jax.models.decoder import Decoder, make_test_model
+from trm_jax.models.decoder import Decoder, default_positions, make_test_model
 from trm_jax.models.hf_io import from_pretrained, save_pretrained
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig", "Decoder", "make_test_model",
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig", "Decoder", "default_positions", "make_test_model",
            "from_pretrained", "save_pretrained"]

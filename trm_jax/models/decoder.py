@@ -70,7 +70,10 @@ class Decoder(nnx.Module):
     `model.hidden_states(tokens, **same kwargs) -> [B, T, D]` (after the final norm), and
     `model.unembed(h [..., D]) -> logits [..., V] float32`, so callers can unembed chunk by
     chunk over T instead of materialising [B, T, V].
-    positions default to `default_positions` (valid-token count; arange(T) without segment ids).
+    positions default to `default_positions` (valid-token count; arange(T) without segment ids;
+    packed sequences need explicit positions that restart per segment).
+    Inside `jax.set_mesh(mesh)` the residual stream is constrained to (batch, length, embed)
+    logical axes at block boundaries (`trm_jax.sharding.constrain`, default rules).
     `visibility.evicted_at` is [B, L, K, T]; layer l attends with `visibility.layer(l)`.
     router noise only affects MoE layers (see `layers.MoE`).
 
@@ -106,7 +109,8 @@ class Decoder(nnx.Module):
         raise ValueError(f"visibility.evicted_at has {L} layers, model has {cfg.num_layers}")
     if positions is None:
       positions = default_positions(tokens, visibility)
-    x = self.embed(tokens)
+    residual_axes = (shd.BATCH, shd.LENGTH, shd.EMBED)
+    x = shd.constrain(self.embed(tokens), residual_axes)
     for l, layer in enumerate(self.layers):
       vis = None if visibility is None else visibility.layer(l)
 
@@ -115,7 +119,7 @@ class Decoder(nnx.Module):
                      router_noise_scale=router_noise_scale)
       if cfg.remat:
         run = nnx.remat(run)
-      x = run(layer, x, positions, vis, router_noise_key)
+      x = shd.constrain(run(layer, x, positions, vis, router_noise_key), residual_axes)
     return self.final_norm(x)
 
   def unembed(self, h: jax.Array) -> jax.Array:
