@@ -1,0 +1,115 @@
+r"""The default main job: GRPO + Trust Region Masking on the synthetic running-sum task, on CPU.
+
+  python -m trm_jax.train --config configs/tiny_trm.py --workdir /tmp/trm_tiny
+
+A 2-layer decoder is first taught the worked-solution format by a short supervised warm-up
+(cached under warmup.cache_dir), then trained with GRPO. The rollout runs in bf16 with a little
+logit noise while the learner is fp32, so pi_roll != pi_theta as in the TRM paper's setting, and
+TRM-max (KL, exact from the rollout's full log-probs: the vocabulary is 31 tokens) masks the
+sequences that leave the trust region. Finishes in a few minutes on 2 CPU cores.
+"""
+import ml_collections
+
+
+def get_config(arg=None):
+  del arg
+  c = ml_collections.ConfigDict()
+  c.seed = 0                       # RL prompts use stream `seed`; warm-up data `seed + 1`
+  c.total_steps = 60               # RL steps (rollout batch + update)
+  c.log_every = 1                  # console / TensorBoard / metrics.jsonl cadence
+  c.eval_every = 0                 # greedy evaluation cadence (0 = only at the end)
+  c.eval_problems = 64             # held-out problems for the final evaluation
+  c.ckpt_every = 20                # orbax checkpoint cadence (steps)
+  c.keep_ckpts = 2                 # checkpoints kept
+  c.export_hf = True               # write the final policy as an HF checkpoint (workdir/hf)
+
+  # Model
+  c.model = ml_collections.ConfigDict()
+  c.model.path = ""                # HF checkpoint dir; "" = the warm-up base model below
+  c.model.dtype = "float32"        # learner compute dtype
+  c.model.attn_impl = "auto"       # attention implementation (kernels.attention)
+  c.model.arch = ml_collections.ConfigDict(dict(  # only used to build the warm-up model
+      hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
+      tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=512))
+
+  # Supervised warm-up (builds the base model when model.path is empty)
+  c.warmup = ml_collections.ConfigDict()
+  c.warmup.steps = 400             # SFT steps
+  c.warmup.batch_size = 64
+  c.warmup.lr = 3e-3
+  c.warmup.seed = 0                # model init
+  c.warmup.cache_dir = "~/.cache/trm_jax/tiny_base"
+
+  # Task
+  c.task = ml_collections.ConfigDict()
+  c.task.name = "synthetic"        # synthetic | gsm8k | dapo_math | aime
+  c.task.path = ""                 # local jsonl/parquet file for the file-based tasks
+  c.task.eval_path = ""            # held-out file (file-based tasks)
+  c.task.synthetic = ml_collections.ConfigDict(dict(
+      min_operands=2, max_operands=6, min_value=1, max_value=19, allow_subtraction=False,
+      show_every=1, answer_format="####"))
+  c.task.max_prompt_len = 0        # 0 = derived from the synthetic task
+  c.task.max_new_tokens = 0        # 0 = derived from the synthetic task
+
+  # Rollout
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0
+  c.rollout.dtype = "bfloat16"     # sampler compute dtype (mismatch knob: learner is fp32)
+  c.rollout.logit_noise = 0.1      # std of additive logit noise (mismatch knob)
+  c.rollout.router_noise = 0.0     # MoE router jitter (mismatch knob; MoE models only)
+  c.rollout.keep_full_logprobs = True   # exact token KL/TV for TRM (small vocabularies only)
+  c.rollout.keep_topk_logprobs = 0
+  c.rollout.cache = ml_collections.ConfigDict(dict(
+      policy="none", ratio=0.0, capacity=0, window=8, kernel=3, recent_frac=0.5, sinks=2))
+
+  # RL
+  c.rl = ml_collections.ConfigDict()
+  c.rl.batch_size = 64             # sequences per rollout batch (prompts * group_size)
+  c.rl.group_size = 8              # GRPO samples per prompt
+  c.rl.num_minibatches = 1         # optimizer steps per rollout batch, per epoch
+  c.rl.num_epochs = 1
+  c.rl.num_microbatches = 1        # gradient accumulation inside a minibatch
+  c.rl.objective = "trm_surrogate"  # trm_surrogate | ppo_clip | tis | token_mask
+  c.rl.loss_agg = "seq-mean-token-mean"
+  c.rl.normalize_std = True        # GRPO std normalisation (False: Dr.GRPO-style)
+  c.rl.baseline = "all"            # group baseline over all rollouts or only TRM-kept ones
+  c.rl.clip_eps_low = 0.2          # ppo_clip
+  c.rl.clip_eps_high = 0.2         # ppo_clip
+  c.rl.dual_clip_c = 3.0           # ppo_clip dual clip
+  c.rl.tis_cap = 2.0               # tis truncation C
+  c.rl.token_mask_tau = 0.5        # token_mask |log rho| threshold
+  c.rl.chunk = 64                  # positions per vocabulary projection in the learner
+
+  # TRM
+  c.trm = ml_collections.ConfigDict()
+  c.trm.criteria = ("trm_max_kl",)  # ANDed; see trm_jax/trm/masking.py for the list
+  c.trm.delta = 0.05               # TRM-max KL threshold
+  c.trm.eps = 0.15                 # TRM-max TV threshold
+  c.trm.delta_avg = 0.01           # TRM-avg
+  c.trm.delta_k2 = 0.05
+  c.trm.delta_k3 = 0.01
+  c.trm.delta_w = 0.05             # LN-TRM
+  c.trm.delta_ser = 0.1            # SER
+  c.trm.tau = 0.5                  # token_mask criterion
+
+  # SMD
+  c.smd = ml_collections.ConfigDict()
+  c.smd.mode = "off"               # off | dense | naive | sparse_rl | smd
+  c.smd.lam = 0.1                  # distillation weight lambda
+
+  # Optimizer
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 1e-4
+  c.optim.warmup_steps = 5
+  c.optim.min_lr_ratio = 0.1
+  c.optim.weight_decay = 0.0
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.99
+  c.optim.eps = 1e-8
+  c.optim.clip_norm = 1.0
+
+  # Mesh (-1 = all remaining devices)
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  return c

@@ -1,0 +1,194 @@
+"""The learner: one jitted scoring pass and one jitted update step per minibatch.
+
+Data flow for a rollout batch (ARCHITECTURE.md, "rl/learner"):
+
+  score(params, batch)                   no gradient; current pi_theta over the whole batch
+    (1) hidden states of the learner track (shadow visibility in SMD mode, dense otherwise)
+    (2) chunked per-token log-probs (+ exact KL/TV when the rollout kept full log-probs)
+    (3) TRM token statistics -> sequence mask M and monitors (rejection rates, PPL gap, B*)
+    (4) Sparse-RL token weights (sparse_rl mode), logp_old for PPO ratios
+  update(params, opt_state, minibatch)   per minibatch, microbatches accumulated with lax.scan
+    (1) learner track -> logp_theta; dense teacher track under stop_gradient (SMD)
+    (2) M recomputed from the current pi_theta (TRM's mask is a property of the policy pair,
+        so after a first minibatch update it can change), stop-gradient
+    (3) objective(logp_theta, logp_roll, A, M) + lambda * KL(teacher || masked)
+    (4) optax update, skipped exactly when the loss or a gradient is non-finite
+
+Learner tracks by `mode` (the SMD paper's comparisons, `../shared/notes/smd-design.md`):
+  "off" / "dense"  rollouts with a dense cache; the learner is dense (evicted_at ignored).
+  "naive"          sparse rollouts scored by the dense learner as if on-policy.
+  "sparse_rl"      dense learner, Sparse-RL token weights and vetoes on the dense/sparse ratio.
+  "smd"            learner replays the rollout's `evicted_at` (pi_shadow == pi_sparse), plus the
+                   dense stop-gradient teacher distilled with weight `lam`.
+
+Deviation from the SMD seed: the distillation KL is applied on every response token, including
+sequences TRM masks out; it is a supervised term against the dense teacher, not an off-policy
+estimate, so the trust-region argument does not apply to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from trm_jax import trm
+from trm_jax.kernels import Visibility
+from trm_jax.rl import objectives, optim, sparse_rl
+from trm_jax.rl.token_terms import token_terms
+
+MODES = ("off", "dense", "naive", "sparse_rl", "smd")
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+  """Static learner settings (hashable: part of the compiled program)."""
+  objective: str = "trm_surrogate"
+  loss_agg: str = "seq-mean-token-sum"
+  objective_kwargs: tuple = ()        # ((name, value), ...) e.g. clip_eps_low for ppo_clip
+  max_len: Optional[int] = None       # Dr.GRPO constant normaliser
+  criteria: tuple = ()                # TRM criteria names, ANDed
+  thresholds: tuple = ()              # ((name, value), ...)
+  mode: str = "off"
+  lam: float = 0.1                    # SMD distillation weight
+  num_microbatches: int = 1
+  chunk: int = 128                    # positions per vocabulary projection
+  attn_impl: str = "auto"
+  length_edges: tuple = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"LearnerConfig.mode={self.mode!r}; expected one of {MODES}")
+    objectives.get_objective(self.objective)
+    for n in self.criteria:
+      if n not in trm.CRITERIA:
+        raise ValueError(f"unknown TRM criterion {n!r}; known: {sorted(trm.CRITERIA)}")
+
+
+@struct.dataclass
+class LearnerBatch:
+  """A rollout batch in the learner's layout; T = P + N, response region [P, T)."""
+  tokens: jax.Array          # [B, T] int32
+  segment_ids: jax.Array     # [B, T] int32, 0 = padding
+  response_mask: jax.Array   # [B, T] float32, 1 on generated tokens
+  logp_roll: jax.Array       # [B, T] float32 rollout log-probs of the sampled tokens
+  advantages: jax.Array      # [B] float32
+  logp_old: jax.Array        # [B, T] float32 pi_theta before this update (PPO ratios)
+  token_weights: jax.Array   # [B, T] float32 (Sparse-RL weights; ones otherwise)
+  evicted_at: Optional[jax.Array] = None      # [B, L, K, T] int32 (SMD replay)
+  roll_logp_full: Optional[jax.Array] = None  # [B, T, V] float32 (exact TRM divergences)
+
+
+def _forward(model, batch: LearnerBatch, cfg: LearnerConfig, *, with_teacher: bool):
+  """(1) of both passes: learner-track (+ teacher) hidden states and chunked token terms."""
+  shadow = cfg.mode == "smd" and batch.evicted_at is not None
+  vis = Visibility(segment_ids=batch.segment_ids,
+                   evicted_at=batch.evicted_at if shadow else None)
+  h = model.hidden_states(batch.tokens, visibility=vis, attn_impl=cfg.attn_impl)
+  teacher_h = None
+  if with_teacher:
+    teacher_h = jax.lax.stop_gradient(model.hidden_states(
+        batch.tokens, visibility=Visibility(segment_ids=batch.segment_ids),
+        attn_impl=cfg.attn_impl))
+  return token_terms(model.unembed, h, batch.tokens, batch.response_mask, teacher_h=teacher_h,
+                     roll_logp_full=batch.roll_logp_full, chunk=cfg.chunk)
+
+
+def _trm_mask(cfg: LearnerConfig, terms: dict, batch: LearnerBatch):
+  stats = trm.TokenStats(mask=batch.response_mask,
+                         log_rho=(terms["logp"] - batch.logp_roll) * batch.response_mask,
+                         kl=terms.get("kl"), tv=terms.get("tv"))
+  if not cfg.criteria:
+    return jnp.ones(batch.tokens.shape[:1], jnp.float32), jnp.ones_like(batch.response_mask), {}
+  res = trm.apply_criteria(cfg.criteria, dict(cfg.thresholds), stats)
+  return res.seq_mask, res.token_mask, res.metrics
+
+
+def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                 cfg: LearnerConfig, *, response_start: int):
+  """Builds jitted `score(params, rest, batch)` and `update(params, opt_state, rest, batch)`.
+
+  `params` is the model's nnx.Param state, `rest` any other state (`nnx.split(model,
+  nnx.Param, ...)`). `response_start` = P, where the response region of `tokens` begins
+  (static; TRM bounds are computed over the response region only).
+  """
+  P = response_start
+  distill = cfg.mode == "smd" and cfg.lam > 0
+
+  @jax.jit
+  def score(params, rest, batch: LearnerBatch):
+    model = nnx.merge(graphdef, params, rest)
+    terms = _forward(model, batch, cfg, with_teacher=False)
+    logp = jax.lax.stop_gradient(terms["logp"])
+    seq_mask, _, metrics = _trm_mask(cfg, terms, batch)
+    mask_r = batch.response_mask[:, P:]
+    log_rho_r = (logp - batch.logp_roll)[:, P:] * mask_r
+    est = trm.batch_estimates(mask_r, kl=None if "kl" not in terms else terms["kl"][:, P:],
+                              tv=None if "tv" not in terms else terms["tv"][:, P:],
+                              log_rho=log_rho_r)
+    metrics.update(trm.trm_monitors(seq_keep=seq_mask, mask=mask_r, T=mask_r.shape[1],
+                                    logp_theta=logp[:, P:], logp_roll=batch.logp_roll[:, P:],
+                                    est=est, length_edges=cfg.length_edges))
+    n_tok = jnp.maximum(jnp.sum(batch.response_mask), 1.0)
+    metrics["learner/entropy"] = jnp.sum(terms["entropy"]) / n_tok
+    metrics["learner/k3_mean"] = jnp.sum(trm.k3(log_rho_r) * mask_r) / n_tok
+    weights = jnp.ones_like(batch.response_mask)
+    if cfg.mode == "sparse_rl":
+      w = sparse_rl.sparse_rl_weights(logp, batch.logp_roll, batch.response_mask)
+      weights = w.token_weights
+      metrics["sparse_rl/wasted_frac"] = w.wasted_frac
+      metrics["sparse_rl/veto_frac"] = w.veto_frac
+    return logp, weights, seq_mask, metrics
+
+  def loss_fn(params, rest, mb: LearnerBatch, normalizer):
+    model = nnx.merge(graphdef, params, rest)
+    terms = _forward(model, mb, cfg, with_teacher=distill)
+    seq_mask, token_mask, _ = _trm_mask(cfg, jax.tree.map(jax.lax.stop_gradient, terms), mb)
+    # token-level criteria (the token_mask baseline) act through token_weights.
+    weights = mb.token_weights * jnp.where(mb.response_mask > 0, token_mask, 0.0)
+    loss, metrics = objectives.compute_loss(
+        cfg.objective, logp_theta=terms["logp"], logp_roll=mb.logp_roll,
+        advantages=mb.advantages, response_mask=mb.response_mask, seq_mask=seq_mask,
+        logp_old=mb.logp_old if cfg.objective == "ppo_clip" else None,
+        token_weights=weights, loss_agg=cfg.loss_agg, normalizer=normalizer[0],
+        max_len=cfg.max_len, **dict(cfg.objective_kwargs))
+    metrics = dict(metrics)
+    has_response = (jnp.sum(mb.response_mask, axis=1) > 0).astype(jnp.float32)
+    metrics["learner/kept_seqs"] = jnp.sum(seq_mask * has_response)
+    if distill:
+      # lambda * KL(sg[teacher] || masked), token-mean over the whole minibatch: the global
+      # token count is normalizer[1], so accumulation over microbatches stays exact.
+      kl = jnp.sum(terms["distill_kl"]) / normalizer[1]
+      loss = loss + cfg.lam * kl
+      metrics["smd/distill_kl"] = kl * cfg.num_microbatches
+    return loss, metrics
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def update(params, opt_state, rest, mb: LearnerBatch):
+    norm = jnp.stack([
+        objectives.loss_normalizer(mb.response_mask, loss_agg=cfg.loss_agg, max_len=cfg.max_len),
+        jnp.maximum(jnp.sum(mb.response_mask), 1.0)])
+    loss, grads, aux = optim.accumulate_gradients(
+        lambda p, b, n: grad_fn(p, rest, b, n), params, mb,
+        num_microbatches=cfg.num_microbatches, normalizer=norm)
+    grad_norm = optax.global_norm(grads)
+    new_params, new_opt, ok = optim.apply_if_finite(tx, params, opt_state, grads, loss)
+    aux = dict(aux)
+    # An all-masked minibatch carries no signal: skip the step entirely (AdamW's weight decay
+    # and the schedule would otherwise still move), unless distillation still has a target.
+    has_signal = (aux["learner/kept_seqs"] > 0) | distill
+    keep = lambda new, old: jnp.where(has_signal, new, old)
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, new_opt, opt_state)
+    aux["learner/kept_seqs"] = aux["learner/kept_seqs"] * cfg.num_microbatches
+    aux.update({"learner/loss": loss, "learner/grad_norm": grad_norm,
+                "learner/skipped": 1.0 - ok.astype(jnp.float32)})
+    return params, opt_state, aux
+
+  return score, update

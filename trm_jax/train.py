@@ -1,0 +1,318 @@
+r"""The RL trainer: rollout -> reward -> GRPO advantages -> TRM/SMD learner, in one loop.
+
+  python -m trm_jax.train --config configs/tiny_trm.py --workdir /tmp/trm_tiny \
+      [--config.total_steps=100 --config.trm.criteria="('trm_max_kl','trm_avg_kl')" ...]
+
+Each step (ARCHITECTURE.md):
+  (1) prompts at data position `pos` (a pure function of the seed and the index: resumable);
+  (2) rollout with the sampler's cache / dtype / noise settings (pi_roll);
+  (3) rewards from the decoded completions, GRPO advantages per group;
+  (4) learner `score` (logp_old, TRM monitors, Sparse-RL weights) and `update` per minibatch;
+  (5) metrics -> console, TensorBoard, metrics.jsonl; orbax checkpoint every `ckpt_every`.
+At the end: a greedy evaluation, a PNG of the curves, the summary (reward change from the
+first 10% of steps to the last 10%), and the policy exported as an HF checkpoint.
+
+Artifacts in --workdir: metrics.jsonl, tb/, ckpt/, curves.png, summary.json, hf/.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from ml_collections import config_flags
+
+from trm_jax import config as config_lib
+from trm_jax import warmup
+from trm_jax.checkpoint import Checkpointer
+from trm_jax.data import (load_problems, make_prompt_batch, math_reward, problem_batch,
+                          synthetic)
+from trm_jax.metrics import MetricsLogger, format_summary, plot_curves, summarize
+from trm_jax.models import from_pretrained, save_pretrained
+from trm_jax.models.tokenizer import load_tokenizer
+from trm_jax.rl import advantages as adv_lib
+from trm_jax.rl import optim
+from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
+from trm_jax.rollout import CacheConfig, generate
+
+log = logging.getLogger("trm_jax.train")
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_trm.py",
+                                          "experiment config (python file with get_config)",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "output directory (checkpoints, metrics, plots)")
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+PROGRESS_KEYS = ("reward", "trm/reject_rate", "trm/ppl_gap", "bound/unified")
+SUMMARY_KEYS = ("reward", "accuracy", "trm/reject_rate", "trm/ppl_gap", "bound/unified",
+                "smd/distill_kl", "sparse_rl/wasted_frac", "learner/entropy", "response_len",
+                "learner/skipped", "throughput/tokens_per_s")
+
+
+# ------------------------------------------------------------------------------------------
+# Settings derived from the config
+# ------------------------------------------------------------------------------------------
+def _dtype(name: str, key: str):
+  if name not in DTYPES:
+    raise config_lib.ConfigError(f"{key}={name!r}; expected one of {sorted(DTYPES)}")
+  return DTYPES[name]
+
+
+def learner_config(c: ml_collections.ConfigDict, max_len: int) -> LearnerConfig:
+  r = c.rl
+  kwargs = {"ppo_clip": (("clip_eps_low", r.clip_eps_low), ("clip_eps_high", r.clip_eps_high),
+                         ("dual_clip_c", r.dual_clip_c)),
+            "tis": (("tis_cap", r.tis_cap),),
+            "token_mask": (("tau", r.token_mask_tau),)}.get(r.objective, ())
+  criteria = tuple(c.trm.criteria)
+  thresholds = tuple((k, float(v)) for k, v in c.trm.items() if k != "criteria")
+  return LearnerConfig(objective=r.objective, loss_agg=r.loss_agg, objective_kwargs=kwargs,
+                       max_len=max_len, criteria=criteria, thresholds=thresholds,
+                       mode=c.smd.mode, lam=float(c.smd.lam),
+                       num_microbatches=r.num_microbatches, chunk=r.chunk,
+                       attn_impl=c.model.attn_impl)
+
+
+def cache_config(c: ml_collections.ConfigDict) -> CacheConfig:
+  cc = c.rollout.cache
+  if cc.policy == "none":
+    return CacheConfig()
+  budget = ({"capacity": cc.capacity} if cc.capacity else {"ratio": cc.ratio})
+  return CacheConfig(policy=cc.policy, window=cc.window, kernel=cc.kernel,
+                     recent_frac=cc.recent_frac, sinks=cc.sinks, **budget)
+
+
+class Task:
+  """Prompts by data position, and the lengths the sampler is compiled for."""
+
+  def __init__(self, c: ml_collections.ConfigDict, tokenizer):
+    self.c, self.tok = c, tokenizer
+    t = c.task
+    if t.name == "synthetic":
+      self.syn = warmup.synthetic_config(c)
+      # chat template adds "<bos>Q:" ... "\nA:" around the problem: 6 tokens.
+      self.max_prompt_len = t.max_prompt_len or synthetic.max_prompt_chars(self.syn) + 6
+      self.max_new_tokens = t.max_new_tokens or synthetic.max_completion_chars(self.syn) + 1
+      self.problems = self.eval_set = None
+    else:
+      if not t.path:
+        raise config_lib.ConfigError(f"task.name={t.name!r} needs task.path (a local file)")
+      self.problems = load_problems(t.name, t.path)
+      self.eval_set = load_problems(t.name, t.eval_path) if t.eval_path else None
+      if not (t.max_prompt_len and t.max_new_tokens):
+        raise config_lib.ConfigError(
+            f"task.name={t.name!r} needs task.max_prompt_len and task.max_new_tokens")
+      self.max_prompt_len, self.max_new_tokens = t.max_prompt_len, t.max_new_tokens
+
+  def batch(self, pos: int, n: int):
+    if self.problems is None:
+      return problem_batch(self.syn, self.c.seed, pos, n)
+    return [self.problems[(pos + i) % len(self.problems)] for i in range(n)]
+
+  def eval_problems(self, n: int):
+    if self.problems is None:  # a stream no training step ever reads
+      return problem_batch(self.syn, self.c.seed + 2, 0, n)
+    return (self.eval_set or self.problems)[:n]
+
+  def prompts(self, problems, group_size: int):
+    return make_prompt_batch(self.tok, problems, group_size, max_prompt_len=self.max_prompt_len)
+
+
+def rewards_of(tok, rollout, problems, problem_ids, P: int) -> np.ndarray:
+  tokens = np.asarray(rollout.tokens)[:, P:]
+  mask = np.asarray(rollout.response_mask)[:, P:] > 0
+  out = np.zeros(tokens.shape[0], np.float32)
+  for b in range(tokens.shape[0]):
+    text = tok.decode(tokens[b][mask[b]].tolist())
+    out[b] = math_reward(text, problems[problem_ids[b]].answer)
+  return out
+
+
+# ------------------------------------------------------------------------------------------
+# Main
+# ------------------------------------------------------------------------------------------
+def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
+  """Trains per config `c` into `workdir`; returns the summary dict."""
+  config_lib.validate(c)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(c.to_json_best_effort(indent=2))
+
+  # --- Model, tokenizer, task -------------------------------------------------------------
+  base = warmup.ensure_base_model(c, log=log.info)
+  model = from_pretrained(base, dtype=_dtype(c.model.dtype, "model.dtype"))
+  tok = load_tokenizer(base)
+  task = Task(c, tok)
+  P, N = task.max_prompt_len, task.max_new_tokens
+  roll_dtype = _dtype(c.rollout.dtype, "rollout.dtype")
+  lcfg = learner_config(c, max_len=N)
+  cache = cache_config(c)
+
+  # --- Optimizer and learner ----------------------------------------------------------------
+  o = c.optim
+  steps_per_batch = c.rl.num_minibatches * c.rl.num_epochs
+  tx = optim.make_optimizer(lr=o.lr, warmup_steps=min(o.warmup_steps, c.total_steps * steps_per_batch - 1),
+                            total_steps=c.total_steps * steps_per_batch,
+                            weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
+                            clip_norm=o.clip_norm, min_lr_ratio=o.min_lr_ratio)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  opt_state = tx.init(params)
+  score, update = make_learner(graphdef, tx, lcfg, response_start=P)
+  rng = jax.random.key(c.seed)
+
+  # --- Resume -------------------------------------------------------------------------------
+  ckpt = Checkpointer(os.path.join(workdir, "ckpt"), save_every=c.ckpt_every,
+                      keep=c.keep_ckpts)
+  state = {"params": params, "opt_state": opt_state, "rng": rng}
+  start, data_pos = 0, 0
+  restored = ckpt.restore_latest(jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+  if restored is not None:
+    start, state, meta = restored
+    data_pos = int(meta["data_pos"])
+    log.info("resumed from step %d (data position %d)", start, data_pos)
+  params, opt_state, rng = state["params"], state["opt_state"], state["rng"]
+
+  logger = MetricsLogger(workdir, total_steps=c.total_steps, enable_progress=progress,
+                         progress_keys=PROGRESS_KEYS,
+                         resume_step=start if restored is not None else None)
+  n_prompts = c.rl.batch_size // c.rl.group_size
+  mb_size = c.rl.batch_size // c.rl.num_minibatches
+  t_start = time.time()
+  for step in range(start + 1, c.total_steps + 1):
+    t0 = time.time()
+    key = jax.random.fold_in(rng, step)
+    k_roll, k_perm = jax.random.split(key)
+    # (1) prompts
+    problems = task.batch(data_pos, n_prompts)
+    pb = task.prompts(problems, c.rl.group_size)
+    data_pos += n_prompts
+    # (2) rollout (pi_roll: sampler dtype, noise, cache)
+    sampler = nnx.merge(graphdef, params, rest)
+    ro = generate(sampler, jnp.asarray(pb.tokens), jnp.asarray(pb.lengths),
+                  max_new_tokens=N, key=k_roll, temperature=c.rollout.temperature,
+                  top_p=c.rollout.top_p, top_k=c.rollout.top_k, cache=cache,
+                  keep_full_logprobs=c.rollout.keep_full_logprobs,
+                  keep_topk_logprobs=c.rollout.keep_topk_logprobs,
+                  compute_dtype=roll_dtype, logit_noise=c.rollout.logit_noise,
+                  router_noise_scale=c.rollout.router_noise, attn_impl=c.model.attn_impl)
+    t_roll = time.time() - t0
+    # (3) rewards and advantages
+    rewards = rewards_of(tok, ro, problems, pb.problem_ids, P)
+    adv = adv_lib.group_advantages(jnp.asarray(rewards), group_size=c.rl.group_size,
+                                   normalize_std=c.rl.normalize_std)
+    resp = ro.response_mask.astype(jnp.float32)
+    batch = LearnerBatch(tokens=ro.tokens, segment_ids=ro.segment_ids, response_mask=resp,
+                         logp_roll=ro.logp, advantages=adv, logp_old=ro.logp,
+                         token_weights=jnp.ones_like(resp),
+                         evicted_at=ro.evicted_at if lcfg.mode == "smd" else None,
+                         roll_logp_full=ro.full_logp)
+    # (4) learner
+    logp_old, weights, _, metrics = score(params, rest, batch)
+    batch = batch.replace(logp_old=logp_old, token_weights=weights)
+    if lcfg.mode == "sparse_rl":
+      # Sparse-RL's weights already carry the dense/sparse correction: the surrogate's ratio
+      # is then taken against the dense learner's own log-probs, not the sparse sampler's.
+      batch = batch.replace(logp_roll=logp_old)
+    upd = []
+    for epoch in range(c.rl.num_epochs):
+      perm = jax.random.permutation(jax.random.fold_in(k_perm, epoch), c.rl.batch_size)
+      for i in range(c.rl.num_minibatches):
+        idx = perm[i * mb_size:(i + 1) * mb_size]
+        mb = jax.tree.map(lambda x: x[idx], batch)
+        params, opt_state, aux = update(params, opt_state, rest, mb)
+        upd.append(aux)
+    # (5) metrics and checkpoint
+    metrics = {k: float(v) for k, v in metrics.items()}
+    for k in upd[0]:
+      metrics[k] = float(np.mean([float(a[k]) for a in upd]))
+    n_tok = float(jnp.sum(resp))
+    metrics.update({"reward": float(rewards.mean()),
+                    "accuracy": float((rewards > 0.5).mean()),
+                    "response_len": n_tok / rewards.shape[0],
+                    "rollout/cache_bytes": float(ro.stats.cache_bytes),
+                    "time/rollout_s": t_roll, "time/step_s": time.time() - t0,
+                    "throughput/tokens_per_s": n_tok / max(time.time() - t0, 1e-9)})
+    logger.log(step, metrics)
+    ckpt.maybe_save(step, {"params": params, "opt_state": opt_state, "rng": rng},
+                    meta={"step": step, "data_pos": data_pos},
+                    force=step == c.total_steps)
+  ckpt.close()
+  logger.close()
+
+  # --- Final evaluation, plot, summary, export ----------------------------------------------
+  result = {"workdir": workdir, "wall_s": time.time() - t_start}
+  if c.eval_problems:
+    result["eval_accuracy"] = evaluate(graphdef, params, rest, task, tok, c.eval_problems)
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  plot_curves(metrics_path, os.path.join(workdir, "curves.png"),
+              keys=["reward", "trm/reject_rate", "trm/ppl_gap", "bound/unified",
+                    "learner/entropy", "response_len"])
+  s = summarize(metrics_path, key="reward", final_keys=SUMMARY_KEYS)
+  result["summary"] = s
+  if c.export_hf:
+    out = os.path.join(workdir, "hf")
+    save_pretrained(nnx.merge(graphdef, params, rest), out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+              "special_tokens_map.json", "chat_template.jinja"):
+      if os.path.exists(os.path.join(base, f)):
+        with open(os.path.join(base, f), "rb") as src, open(os.path.join(out, f), "wb") as dst:
+          dst.write(src.read())
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(result, f, indent=2)
+  print(format_summary(s))
+  if "eval_accuracy" in result:
+    print(f"greedy eval accuracy on {c.eval_problems} held-out problems: "
+          f"{result['eval_accuracy']:.3f}")
+  return result
+
+
+def evaluate(graphdef, params, rest, task: Task, tok, n: int) -> float:
+  """Greedy accuracy on `n` held-out problems (dense cache, learner dtype)."""
+  problems = task.eval_problems(n)
+  pb = task.prompts(problems, 1)
+  ro = generate(nnx.merge(graphdef, params, rest), jnp.asarray(pb.tokens),
+                jnp.asarray(pb.lengths), max_new_tokens=task.max_new_tokens,
+                key=jax.random.key(0), greedy=True)
+  return float(rewards_of(tok, ro, problems, pb.problem_ids, task.max_prompt_len).mean())
+
+
+def main(argv):
+  del argv
+  if not _WORKDIR.value:
+    raise app.UsageError("--workdir is required")
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+  logging.getLogger("absl").setLevel(logging.WARNING)
+  try:
+    run(_CONFIG.value, _WORKDIR.value)
+  except config_lib.ConfigError as e:
+    sys.exit(f"error: {e}")
+
+
+def cli():
+  # Fail on misspelt `--config.x=...` keys before absl's own parsing (which would print a bare
+  # AttributeError) and before any work.
+  spec = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--config=")), None)
+  if spec is None and "--config" in sys.argv:
+    i = sys.argv.index("--config")
+    spec = sys.argv[i + 1] if i + 1 < len(sys.argv) else None
+  try:
+    config_lib.check_override_keys(config_lib.load_config(spec or "configs/tiny_trm.py"),
+                                   sys.argv)
+  except config_lib.ConfigError as e:
+    sys.exit(f"error: {e}")
+  app.run(main)
+
+
+if __name__ == "__main__":
+  cli()

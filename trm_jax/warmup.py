@@ -1,0 +1,124 @@
+"""Supervised warm-up: builds the tiny base model that the main job's RL starts from.
+
+RL from a random policy gets zero reward on any task worth the name, so the default job first
+teaches a tiny decoder the synthetic task's worked-solution format by teacher forcing, then
+saves it as a Hugging Face checkpoint (config.json + safetensors + tokenizer files). The result
+is an ordinary checkpoint: `trm_jax.models.from_pretrained` and transformers both load it.
+
+The checkpoint directory carries `warmup.json` with the settings that produced it; the main
+job reuses the directory when those settings match and rebuilds it otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from trm_jax.data import synthetic
+from trm_jax.data.batching import make_sft_batch
+from trm_jax.kernels import Visibility
+from trm_jax.models import Decoder, ModelConfig, save_pretrained
+from trm_jax.rl import optim
+
+MARKER = "warmup.json"
+
+
+def _fingerprint(c: ml_collections.ConfigDict) -> dict:
+  return {"arch": c.model.arch.to_dict(), "warmup": c.warmup.to_dict(),
+          "task": c.task.synthetic.to_dict()}
+
+
+def synthetic_config(c: ml_collections.ConfigDict) -> synthetic.SyntheticConfig:
+  return synthetic.SyntheticConfig(**c.task.synthetic.to_dict())
+
+
+def is_current(path: str, c: ml_collections.ConfigDict) -> bool:
+  marker = os.path.join(path, MARKER)
+  if not os.path.isfile(marker):
+    return False
+  with open(marker) as f:
+    return json.load(f) == json.loads(json.dumps(_fingerprint(c)))
+
+
+def sft_loss(model: Decoder, tokens: jax.Array, loss_mask: jax.Array, lengths: jax.Array):
+  """Mean next-token cross-entropy over the solution tokens. tokens [B, T] right padded."""
+  vis = Visibility.from_lengths(lengths, tokens.shape[1])
+  logits = model(tokens[:, :-1], visibility=Visibility(vis.segment_ids[:, :-1]))  # [B, T-1, V]
+  logq = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(logq, tokens[:, 1:, None], axis=-1)[..., 0]
+  m = loss_mask[:, 1:]
+  return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def build_base_model(c: ml_collections.ConfigDict, out_dir: str, *,
+                     log: Callable[[str], None] = print) -> str:
+  """Trains the tiny base model by SFT on the synthetic task; writes an HF checkpoint."""
+  task_cfg = synthetic_config(c)
+  w = c.warmup
+  tmp = tempfile.mkdtemp(prefix=".warmup-", dir=os.path.dirname(os.path.abspath(out_dir)))
+  tok = synthetic.make_synthetic_tokenizer(tmp)
+  a = c.model.arch
+  mcfg = ModelConfig(
+      model_type="qwen3", vocab_size=tok.vocab_size, hidden_size=a.hidden_size,
+      intermediate_size=a.intermediate_size, num_layers=a.num_layers, num_heads=a.num_heads,
+      num_kv_heads=a.num_kv_heads, head_dim=a.hidden_size // a.num_heads,
+      tie_word_embeddings=a.tie_word_embeddings, qk_norm=True, rope_theta=a.rope_theta,
+      max_position_embeddings=a.max_position_embeddings, bos_token_id=tok.bos_id,
+      eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+  model = Decoder(mcfg, rngs=nnx.Rngs(w.seed))
+  tx = optim.make_optimizer(lr=w.lr, warmup_steps=max(1, w.steps // 20), total_steps=w.steps,
+                            weight_decay=0.0, b1=0.9, b2=0.99, eps=1e-8,
+                            min_lr_ratio=0.1, clip_norm=1.0)
+  graphdef, params = nnx.split(model)
+  opt_state = tx.init(params)
+  T = synthetic.max_prompt_chars(task_cfg) + synthetic.max_completion_chars(task_cfg) + 8
+
+  @jax.jit
+  def step(params, opt_state, tokens, loss_mask, lengths):
+    def loss_fn(p):
+      return sft_loss(nnx.merge(graphdef, p), tokens, loss_mask, lengths)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  t0 = time.time()
+  for i in range(w.steps):
+    # Warm-up data come from their own stream (seed + 1), disjoint from RL prompts (seed).
+    problems = synthetic.problem_batch(task_cfg, c.seed + 1, i * w.batch_size, w.batch_size)
+    b = make_sft_batch(tok, problems, max_len=T)
+    params, opt_state, loss = step(params, opt_state, jnp.asarray(b.tokens),
+                                   jnp.asarray(b.loss_mask), jnp.asarray(b.lengths))
+    if i % max(1, w.steps // 10) == 0 or i == w.steps - 1:
+      log(f"[warmup] step {i + 1}/{w.steps} loss {float(loss):.4f} ({time.time() - t0:.0f}s)")
+  save_pretrained(nnx.merge(graphdef, params), tmp)
+  with open(os.path.join(tmp, MARKER), "w") as f:
+    json.dump(_fingerprint(c), f, indent=2)
+  # Atomic publish: a crash mid-warm-up leaves no half-written base model behind.
+  if os.path.exists(out_dir):
+    shutil.rmtree(out_dir)
+  os.replace(tmp, out_dir)
+  return out_dir
+
+
+def ensure_base_model(c: ml_collections.ConfigDict, *, log: Callable[[str], None] = print,
+                      ) -> str:
+  """The config's `model.path`, or the cached warm-up checkpoint (built when missing/stale)."""
+  if c.model.path:
+    return c.model.path
+  out = os.path.expanduser(c.warmup.cache_dir)
+  if is_current(out, c):
+    log(f"[warmup] reusing base model at {out}")
+    return out
+  log(f"[warmup] building base model at {out}")
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  return build_base_model(c, out, log=log)
