@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 from hf_fixtures import hf_logits, make_hf_checkpoint, sample_batch
 from trm_jax.kernels import Visibility
 from trm_jax.models import from_pretrained, make_test_model, save_pretrained
-from trm_jax.models.hf_io import INDEX_FILE, SINGLE_FILE
+from trm_jax.models.hf_io import INDEX_FILE, SINGLE_FILE, CheckpointMismatchError
 
 TOL = 1e-4
 
@@ -125,14 +125,15 @@ def _rewrite(src, dst, edit):
 def test_missing_tensor_is_named(ckpts, tmp_path):
   name = "model.layers.1.self_attn.k_norm.weight"
   bad = _rewrite(ckpts["qwen3_tied"], str(tmp_path / "bad"), lambda t: t.pop(name))
-  with pytest.raises(KeyError, match=f"missing tensor '{name}'.*expected shape \\(16,\\)"):
+  with pytest.raises(CheckpointMismatchError,
+                     match=f"missing tensor '{name}'.*expected shape \\(16,\\)"):
     from_pretrained(bad)
 
 
 def test_missing_expert_is_named(ckpts, tmp_path):
   name = "model.layers.0.mlp.experts.3.up_proj.weight"
   bad = _rewrite(ckpts["qwen3_moe"], str(tmp_path / "bad"), lambda t: t.pop(name))
-  with pytest.raises(KeyError, match=f"missing tensor '{name}'"):
+  with pytest.raises(CheckpointMismatchError, match=f"missing tensor '{name}'"):
     from_pretrained(bad)
 
 
@@ -142,7 +143,8 @@ def test_wrong_shape_names_expected_and_found(ckpts, tmp_path):
   def edit(t):
     t[name] = t[name][:32]
   bad = _rewrite(ckpts["qwen3_tied"], str(tmp_path / "bad"), edit)
-  with pytest.raises(ValueError, match=f"'{name}' has shape \\(32, 64\\), expected \\(64, 64\\)"):
+  with pytest.raises(CheckpointMismatchError,
+                     match=f"'{name}' has shape \\(32, 64\\), expected \\(64, 64\\)"):
     from_pretrained(bad)
 
 
@@ -152,7 +154,7 @@ def test_unexpected_tensor_is_named(ckpts, tmp_path):
   def edit(t):
     t[name] = np.zeros(64, np.float32)
   bad = _rewrite(ckpts["qwen2"], str(tmp_path / "bad"), edit)
-  with pytest.raises(ValueError, match=f"unexpected tensor '{name}'"):
+  with pytest.raises(CheckpointMismatchError, match=f"unexpected tensor '{name}'"):
     from_pretrained(bad)
 
 
@@ -193,3 +195,13 @@ def test_no_weights_file_is_named(tmp_path):
   json.dump(make_test_model().config.to_hf(), open(os.path.join(d, "config.json"), "w"))
   with pytest.raises(FileNotFoundError, match="model.safetensors"):
     from_pretrained(d)
+
+
+def test_non_float_tensor_is_named(ckpts, tmp_path):
+  name = "model.norm.weight"
+
+  def edit(t):
+    t[name] = t[name].astype(np.int32)
+  bad = _rewrite(ckpts["qwen3_tied"], str(tmp_path / "bad"), edit)
+  with pytest.raises(CheckpointMismatchError, match=f"'{name}' has dtype I32"):
+    from_pretrained(bad)

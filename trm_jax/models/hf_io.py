@@ -39,6 +39,10 @@ INDEX_FILE = "model.safetensors.index.json"
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 
+class CheckpointMismatchError(ValueError):
+  """The checkpoint's tensors do not match what its config.json describes."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
   """How one of our parameters is stored in a HF checkpoint.
@@ -122,11 +126,9 @@ class _Checkpoint:
       files = [SINGLE_FILE]
     else:
       raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    self._handles = []
     self.tensors: Dict[str, Tuple[object, Tuple[int, ...], str]] = {}
     for fn in files:
       h = safe_open(os.path.join(path, fn), framework="numpy")
-      self._handles.append(h)
       for name in h.keys():
         sl = h.get_slice(name)
         self.tensors[name] = (h, tuple(sl.get_shape()), sl.get_dtype())
@@ -166,25 +168,29 @@ def _ours_from_hf(ckpt: _Checkpoint, entry: _Entry, ours_shape: Tuple[int, ...],
 
 
 def _validate(ckpt: _Checkpoint, cfg: ModelConfig, entries: List[_Entry], shapes: Dict) -> None:
+  """Strict check of the checkpoint against config.json before anything is allocated."""
   wanted = set()
   for entry in entries:
     expected = entry.hf_shape(shapes[entry.path])
     for name in entry.names:
       wanted.add(name)
       if name not in ckpt.tensors:
-        raise KeyError(f"checkpoint {ckpt.path} is missing tensor {name!r} (expected shape "
-                       f"{expected}) required by {cfg.model_type}")
+        raise CheckpointMismatchError(
+            f"checkpoint {ckpt.path} is missing tensor {name!r} (expected shape {expected}) "
+            f"required by {cfg.model_type}")
       _, found, dtype = ckpt.tensors[name]
       if found != expected:
-        raise ValueError(f"tensor {name!r} has shape {found}, expected {expected} from "
-                         f"config.json")
+        raise CheckpointMismatchError(
+            f"tensor {name!r} has shape {found}, expected {expected} from config.json")
       if dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"tensor {name!r} has dtype {dtype}, expected one of {_FLOAT_DTYPES}")
+        raise CheckpointMismatchError(
+            f"tensor {name!r} has dtype {dtype}, expected one of {_FLOAT_DTYPES}")
   extra = sorted(n for n in ckpt.tensors if n not in wanted and not _ignored(n, cfg))
   if extra:
     more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-    raise ValueError(f"checkpoint {ckpt.path} has unexpected tensor {extra[0]!r}{more}: not "
-                     f"part of a {cfg.model_type} model with this config.json")
+    raise CheckpointMismatchError(
+        f"checkpoint {ckpt.path} has unexpected tensor {extra[0]!r}{more}: not part of a "
+        f"{cfg.model_type} model with this config.json")
 
 
 def from_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None,
