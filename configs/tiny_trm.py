@@ -19,6 +19,8 @@ def get_config(arg=None):
   c.log_every = 1                  # console / TensorBoard / metrics.jsonl cadence
   c.eval_every = 0                 # greedy evaluation cadence (0 = only at the end)
   c.eval_problems = 64             # held-out problems for the final evaluation
+  c.eval_samples = 1               # 1 = greedy accuracy; k > 1 = avg@k and pass@k at rollout
+                                   #   temperature / top-p
   c.ckpt_every = 20                # orbax checkpoint cadence (steps)
   c.keep_ckpts = 2                 # checkpoints kept
   c.export_hf = True               # write the final policy as an HF checkpoint (workdir/hf)
@@ -28,6 +30,7 @@ def get_config(arg=None):
   c.model.path = ""                # HF checkpoint dir; "" = the warm-up base model below
   c.model.dtype = "float32"        # learner compute dtype
   c.model.attn_impl = "auto"       # attention implementation (kernels.attention)
+  c.model.remat = False            # rematerialise each block in the backward pass
   c.model.arch = ml_collections.ConfigDict(dict(  # only used to build the warm-up model
       hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
       tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=512))

@@ -86,5 +86,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.smd.mode in ("naive", "sparse_rl", "smd"):
     _require(c.rollout.cache.policy != "none", ["smd.mode", "rollout.cache.policy"],
              f"smd.mode={c.smd.mode!r} needs a compressed rollout cache")
+  from trm_jax.trm import CRITERIA  # pylint: disable=g-import-not-at-top
+  for name in c.trm.criteria:
+    _require(name in CRITERIA, ["trm.criteria"],
+             f"unknown criterion {name!r}; known: {', '.join(sorted(CRITERIA))}")
+    if {"kl", "tv"} & set(CRITERIA[name].needs):
+      _require(c.rollout.keep_full_logprobs or c.rollout.keep_topk_logprobs > 0,
+               ["trm.criteria", "rollout.keep_full_logprobs", "rollout.keep_topk_logprobs"],
+               f"criterion {name!r} needs the rollout's distribution: keep full or top-k "
+               "log-probs")
   _require(0.0 < c.rollout.top_p <= 1.0, ["rollout.top_p"], "must be in (0, 1]")
   _require(c.rollout.temperature > 0.0, ["rollout.temperature"], "must be > 0")

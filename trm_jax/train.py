@@ -37,6 +37,7 @@ from trm_jax import warmup
 from trm_jax.checkpoint import Checkpointer
 from trm_jax.data import (load_problems, make_prompt_batch, math_reward, problem_batch,
                           synthetic)
+from trm_jax.data import summarize as eval_summary
 from trm_jax.metrics import MetricsLogger, format_summary, plot_curves, summarize
 from trm_jax.models import from_pretrained, save_pretrained
 from trm_jax.models.tokenizer import load_tokenizer
@@ -150,7 +151,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
 
   # --- Model, tokenizer, task -------------------------------------------------------------
   base = warmup.ensure_base_model(c, log=log.info)
-  model = from_pretrained(base, dtype=_dtype(c.model.dtype, "model.dtype"))
+  model = from_pretrained(base, dtype=_dtype(c.model.dtype, "model.dtype"), remat=c.model.remat)
   tok = load_tokenizer(base)
   task = Task(c, tok)
   P, N = task.max_prompt_len, task.max_new_tokens
@@ -216,7 +217,8 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
                          logp_roll=ro.logp, advantages=adv, logp_old=ro.logp,
                          token_weights=jnp.ones_like(resp),
                          evicted_at=ro.evicted_at if lcfg.mode == "smd" else None,
-                         roll_logp_full=ro.full_logp)
+                         roll_logp_full=ro.full_logp, roll_topk_logp=ro.topk_logp,
+                         roll_topk_ids=ro.topk_ids)
     # (4) learner
     logp_old, weights, _, metrics = score(params, rest, batch)
     batch = batch.replace(logp_old=logp_old, token_weights=weights)
@@ -253,7 +255,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
   # --- Final evaluation, plot, summary, export ----------------------------------------------
   result = {"workdir": workdir, "wall_s": time.time() - t_start}
   if c.eval_problems:
-    result["eval_accuracy"] = evaluate(graphdef, params, rest, task, tok, c.eval_problems)
+    result["eval"] = evaluate(c, graphdef, params, rest, task, tok)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   plot_curves(metrics_path, os.path.join(workdir, "curves.png"),
               keys=["reward", "trm/reject_rate", "trm/ppl_gap", "bound/unified",
@@ -271,20 +273,30 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(result, f, indent=2)
   print(format_summary(s))
-  if "eval_accuracy" in result:
-    print(f"greedy eval accuracy on {c.eval_problems} held-out problems: "
-          f"{result['eval_accuracy']:.3f}")
+  if "eval" in result:
+    print(f"eval on {c.eval_problems} held-out problems: " +
+          "  ".join(f"{k}={v:.3f}" for k, v in result["eval"].items()))
   return result
 
 
-def evaluate(graphdef, params, rest, task: Task, tok, n: int) -> float:
-  """Greedy accuracy on `n` held-out problems (dense cache, learner dtype)."""
-  problems = task.eval_problems(n)
-  pb = task.prompts(problems, 1)
+def evaluate(c, graphdef, params, rest, task: Task, tok) -> dict:
+  """Held-out evaluation with the dense cache in the learner dtype.
+
+  eval_samples == 1: greedy accuracy. k > 1: k samples per problem at the rollout temperature
+  and top-p -> avg@k and unbiased pass@k (Chen et al. 2021) for k in {1, k}.
+  """
+  problems = task.eval_problems(c.eval_problems)
+  k = c.eval_samples
+  pb = task.prompts(problems, k)
   ro = generate(nnx.merge(graphdef, params, rest), jnp.asarray(pb.tokens),
                 jnp.asarray(pb.lengths), max_new_tokens=task.max_new_tokens,
-                key=jax.random.key(0), greedy=True)
-  return float(rewards_of(tok, ro, problems, pb.problem_ids, task.max_prompt_len).mean())
+                key=jax.random.key(c.seed + 3), greedy=k == 1,
+                temperature=c.rollout.temperature, top_p=c.rollout.top_p)
+  correct = rewards_of(tok, ro, problems, pb.problem_ids, task.max_prompt_len) > 0.5
+  if k == 1:
+    return {"greedy_accuracy": float(correct.mean())}
+  return {key: float(v) for key, v in
+          eval_summary(correct.reshape(len(problems), k), ks=(1, k)).items()}
 
 
 def main(argv):

@@ -81,6 +81,8 @@ class LearnerBatch:
   token_weights: jax.Array   # [B, T] float32 (Sparse-RL weights; ones otherwise)
   evicted_at: Optional[jax.Array] = None      # [B, L, K, T] int32 (SMD replay)
   roll_logp_full: Optional[jax.Array] = None  # [B, T, V] float32 (exact TRM divergences)
+  roll_topk_logp: Optional[jax.Array] = None  # [B, T, k] float32 (top-k + tail lower bounds)
+  roll_topk_ids: Optional[jax.Array] = None   # [B, T, k] int32
 
 
 def _forward(model, batch: LearnerBatch, cfg: LearnerConfig, *, with_teacher: bool):
@@ -95,7 +97,8 @@ def _forward(model, batch: LearnerBatch, cfg: LearnerConfig, *, with_teacher: bo
         batch.tokens, visibility=Visibility(segment_ids=batch.segment_ids),
         attn_impl=cfg.attn_impl))
   return token_terms(model.unembed, h, batch.tokens, batch.response_mask, teacher_h=teacher_h,
-                     roll_logp_full=batch.roll_logp_full, chunk=cfg.chunk)
+                     roll_logp_full=batch.roll_logp_full, roll_topk_logp=batch.roll_topk_logp,
+                     roll_topk_ids=batch.roll_topk_ids, chunk=cfg.chunk)
 
 
 def _trm_mask(cfg: LearnerConfig, terms: dict, batch: LearnerBatch):
@@ -177,7 +180,7 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     loss, grads, aux = optim.accumulate_gradients(
         lambda p, b, n: grad_fn(p, rest, b, n), params, mb,
         num_microbatches=cfg.num_microbatches, normalizer=norm)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     new_params, new_opt, ok = optim.apply_if_finite(tx, params, opt_state, grads, loss)
     aux = dict(aux)
     # An all-masked minibatch carries no signal: skip the step entirely (AdamW's weight decay

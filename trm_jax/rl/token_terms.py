@@ -32,6 +32,8 @@ def _pad_to(x: jax.Array, n: int, axis: int = 1) -> jax.Array:
 def token_terms(unembed: Callable[[jax.Array], jax.Array], h: jax.Array, tokens: jax.Array,
                 mask: jax.Array, *, teacher_h: Optional[jax.Array] = None,
                 roll_logp_full: Optional[jax.Array] = None,
+                roll_topk_logp: Optional[jax.Array] = None,
+                roll_topk_ids: Optional[jax.Array] = None,
                 chunk: int = 128) -> dict[str, jax.Array]:
   """Chunked per-token terms.
 
@@ -43,6 +45,8 @@ def token_terms(unembed: Callable[[jax.Array], jax.Array], h: jax.Array, tokens:
     teacher_h: [B, T, D] dense-track hidden states; gradients are stopped here (teacher).
     roll_logp_full: [B, T, V] rollout log-probs (target-indexed, -inf where truncated) for
       exact KL(roll || theta) and TV.
+    roll_topk_logp, roll_topk_ids: [B, T, k] the rollout's top-k instead (large vocabularies):
+      KL and TV on the partition {top-k, tail}, a lower bound (trm.topk_tail_divergences).
     chunk: positions per vocabulary projection.
   Returns:
     dict of [B, T] fp32: "logp", "entropy", and "distill_kl" (KL(teacher || student)) and
@@ -66,6 +70,9 @@ def token_terms(unembed: Callable[[jax.Array], jax.Array], h: jax.Array, tokens:
     xs["th"] = to_chunks(sg(teacher_h)[:, :-1])
   if roll_logp_full is not None:
     xs["rl"] = to_chunks(roll_logp_full[:, 1:])
+  elif roll_topk_logp is not None:
+    xs["tk_lp"] = to_chunks(roll_topk_logp[:, 1:])
+    xs["tk_ids"] = to_chunks(roll_topk_ids[:, 1:])
 
   @jax.checkpoint
   def body(c):
@@ -78,6 +85,10 @@ def token_terms(unembed: Callable[[jax.Array], jax.Array], h: jax.Array, tokens:
       out["distill_kl"] = jnp.sum(jnp.exp(logp_t) * (logp_t - logq), axis=-1)
     if "rl" in c:
       kl, tv = divergence.token_divergences(sg(logq), c["rl"], c["m"], chunk_size=C)
+      out["kl"], out["tv"] = kl, tv
+    if "tk_lp" in c:
+      kl, tv = divergence.topk_tail_divergences(sg(logq), c["tk_lp"], c["tk_ids"], c["m"],
+                                                chunk_size=C)
       out["kl"], out["tv"] = kl, tv
     return jax.tree.map(lambda v: v * c["m"], out)
 

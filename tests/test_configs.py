@@ -1,0 +1,139 @@
+"""Experiment configs: every shipped config validates, the two paper-scale configs are
+consistent with their architectures (abstract shapes, nothing allocated), and bad overrides
+fail before any work with a message naming the key."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from trm_jax import config as config_lib
+from trm_jax.kernels import NEVER_EVICTED
+from trm_jax.models import Decoder, ModelConfig
+from trm_jax.rl import optim
+from trm_jax.rl.learner import LearnerBatch, make_learner
+from trm_jax import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
+
+# The published config.json architecture fields of the checkpoints the large configs name.
+QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096,
+                intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                tie_word_embeddings=False, max_position_embeddings=40960)
+QWEN3_4B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2560,
+                intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=5000000.0,
+                tie_word_embeddings=True, max_position_embeddings=262144)
+
+
+def _load(name):
+  return config_lib.load_config(os.path.join(ROOT, "configs", name))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_shipped_configs_validate(name):
+  c = _load(name)
+  config_lib.validate(c)
+  train.learner_config(c, max_len=c.task.max_new_tokens or 64)
+  train.cache_config(c)
+
+
+@pytest.mark.parametrize("name,hf", [("qwen3_8b_dapo_trm.py", QWEN3_8B),
+                                     ("qwen3_4b_smd_gsm8k.py", QWEN3_4B)])
+def test_paper_configs_trace_with_abstract_shapes(name, hf):
+  """Model, optimizer state and the learner's score + update steps at the config's real
+  shapes, traced with jax.eval_shape: consistent shapes, zero bytes allocated."""
+  c = _load(name)
+  config_lib.validate(c)
+  P, N = c.task.max_prompt_len, c.task.max_new_tokens
+  mcfg = ModelConfig.from_hf(hf, dtype=jnp.bfloat16, remat=c.model.remat)
+  abstract_model = nnx.eval_shape(lambda: Decoder(mcfg, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  assert n_params > 3e9, n_params     # 4B / 8B class models
+  tx = optim.make_optimizer(lr=c.optim.lr, warmup_steps=c.optim.warmup_steps,
+                            total_steps=c.total_steps, weight_decay=c.optim.weight_decay,
+                            b1=c.optim.b1, b2=c.optim.b2, eps=c.optim.eps,
+                            clip_norm=c.optim.clip_norm, min_lr_ratio=c.optim.min_lr_ratio)
+  opt_state = jax.eval_shape(tx.init, params)
+  lcfg = train.learner_config(c, max_len=N)
+  score, update = make_learner(graphdef, tx, lcfg, response_start=P)
+  B, T = c.rl.batch_size // c.rl.num_minibatches, P + N
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  batch = LearnerBatch(
+      tokens=jax.ShapeDtypeStruct((B, T), jnp.int32),
+      segment_ids=jax.ShapeDtypeStruct((B, T), jnp.int32),
+      response_mask=f32(B, T), logp_roll=f32(B, T), advantages=f32(B), logp_old=f32(B, T),
+      token_weights=f32(B, T),
+      evicted_at=(jax.ShapeDtypeStruct((B, mcfg.num_layers, mcfg.num_kv_heads, T), jnp.int32)
+                  if lcfg.mode == "smd" else None))
+  k = c.rollout.keep_topk_logprobs
+  if k:
+    batch = batch.replace(roll_topk_logp=f32(B, T, k),
+                          roll_topk_ids=jax.ShapeDtypeStruct((B, T, k), jnp.int32))
+  out_params, out_opt, aux = jax.eval_shape(update, params, opt_state, rest, batch)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), out_params) == jax.tree.map(
+      lambda a: (a.shape, a.dtype), params)
+  assert "learner/loss" in aux
+  logp, weights, seq_mask, metrics = jax.eval_shape(score, params, rest, batch)
+  assert logp.shape == (B, T) and seq_mask.shape == (B,)
+  assert "trm/reject_rate" in metrics
+  assert NEVER_EVICTED > T
+
+
+def _cli(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "trm_jax.train", "--config",
+                         os.path.join(ROOT, "configs", "tiny_trm.py"), *args],
+                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+
+
+def test_cli_rejects_misspelt_key_before_any_work(tmp_path):
+  r = _cli("--workdir", str(tmp_path / "w"), "--config.rl.group_sise=4")
+  assert r.returncode != 0
+  assert "unknown config key 'rl.group_sise'" in r.stderr
+  assert "rl.group_size" in r.stderr           # the suggestion
+  assert not (tmp_path / "w").exists()         # nothing was written
+
+
+def test_cli_rejects_inconsistent_batch_before_any_work(tmp_path):
+  r = _cli("--workdir", str(tmp_path / "w"), "--config.rl.batch_size=60",
+           "--config.rl.group_size=8")
+  assert r.returncode != 0
+  assert "rl.batch_size, rl.group_size" in r.stderr
+  assert "not divisible" in r.stderr
+  assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("smd.mode", "smdd", "unknown mode"),
+    ("rollout.top_p", 0.0, "rollout.top_p"),
+    ("rl.num_microbatches", 3, "num_microbatches"),
+    ("trm.criteria", ("trm_max_kl_typo",), "unknown criterion"),
+])
+def test_validate_names_the_key(key, value, msg):
+  c = _load("tiny_trm.py")
+  section, field = key.split(".")
+  c[section][field] = value
+  with pytest.raises(config_lib.ConfigError, match=msg):
+    config_lib.validate(c)
+
+
+def test_smd_mode_needs_a_compressed_cache():
+  c = _load("tiny_smd.py")
+  c.rollout.cache.policy = "none"
+  with pytest.raises(config_lib.ConfigError, match="rollout.cache.policy"):
+    config_lib.validate(c)
+
+
+def test_divergence_criteria_need_rollout_distribution():
+  c = _load("tiny_trm.py")
+  c.rollout.keep_full_logprobs = False
+  c.rollout.keep_topk_logprobs = 0
+  with pytest.raises(config_lib.ConfigError, match="rollout.keep_full_logprobs"):
+    config_lib.validate(c)
