@@ -115,4 +115,9 @@ def get_config(arg=None):
 
   # Mesh (-1 = all remaining devices)
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+
+  # Debug (fault-injection for tests; leave at 0)
+  c.debug = ml_collections.ConfigDict()
+  c.debug.nan_step = 0             # > 0: that RL step's advantages (so loss and gradients) are
+                                   #   NaN; the learner must skip the update
   return c

@@ -175,3 +175,91 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Optional[Rules] = None) ->
   nnx.update(model, jax.tree.map(lambda v, s: jax.device_put(v.get_value(), s), state, shardings,
                                  is_leaf=_is_var))
   return model
+
+
+# --- Trainer placement: mesh from the config, batches, optimizer state --------------------
+
+
+def resolve_mesh_shape(axis_sizes: Mapping[str, int], n_devices: int, *,
+                       key: str = "mesh") -> dict:
+  """Mesh axis sizes with at most one -1 (= the devices the other axes leave) filled in.
+
+  Raises ValueError naming the config keys (`mesh.data`, ...) when the sizes cannot cover
+  exactly `n_devices` devices.
+  """
+  unknown = set(axis_sizes) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"unknown axes {sorted(f'{key}.{a}' for a in unknown)}; "
+                     f"expected a subset of {[f'{key}.{a}' for a in MESH_AXES]}")
+  sizes = {a: int(axis_sizes.get(a, 1)) for a in MESH_AXES}
+  desc = " * ".join(f"{key}.{a}={s}" for a, s in sizes.items())
+  free = [a for a, s in sizes.items() if s == -1]
+  bad = [a for a, s in sizes.items() if s == 0 or s < -1]
+  if bad or len(free) > 1:
+    raise ValueError(f"{desc}: sizes must be positive, with at most one -1 (= remaining "
+                     "devices)")
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  if free:
+    if n_devices % fixed:
+      raise ValueError(f"{desc}: the fixed axes use {fixed} devices, which does not divide the "
+                       f"{n_devices} devices present")
+    sizes[free[0]] = n_devices // fixed
+  elif fixed != n_devices:
+    raise ValueError(f"{desc} = {fixed} devices, but {n_devices} are present "
+                     f"(jax.device_count()); make the product {n_devices} or set one axis "
+                     "to -1")
+  return sizes
+
+
+def mesh_from_config(axis_sizes: Mapping[str, int],
+                     devices: Optional[Sequence[jax.Device]] = None, *,
+                     key: str = "mesh") -> Mesh:
+  """The (data, fsdp, tensor) mesh over all `devices` (default: every device of every process)."""
+  devices = list(jax.devices() if devices is None else devices)
+  return make_mesh(resolve_mesh_shape(axis_sizes, len(devices), key=key), devices)
+
+
+def batch_sharding(mesh: Mesh, shape: Sequence[int],
+                   rules: Optional[Rules] = None) -> NamedSharding:
+  """Sharding of a per-example array: leading dimension by the BATCH rule, the rest replicated.
+
+  A batch the BATCH mesh axes do not divide is replicated over them (`spec_for`'s rule).
+  """
+  axes = (BATCH,) + (None,) * (len(shape) - 1)
+  return named_sharding(mesh, axes, shape, rules)
+
+
+def put_batch(tree, mesh: Mesh, rules: Optional[Rules] = None):
+  """Places a pytree of per-example arrays (host numpy or jax) by `batch_sharding`.
+
+  Each process provides only its addressable shards (`make_array_from_callback`), so the same
+  call builds global arrays in a multi-process run, given every process holds the same host
+  data. Device arrays already laid out differently are resharded by `device_put`.
+  """
+  def one(x):
+    if x is None:
+      return None
+    sharding = batch_sharding(mesh, x.shape, rules)
+    if isinstance(x, jax.Array):
+      return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+  return jax.tree.map(one, tree)
+
+
+def mirror_shardings(abstract_tree, params, mesh: Mesh):
+  """Shardings for an optimizer state: a leaf whose key path ends with a parameter's key path
+  and has its shape (AdamW's mu / nu) gets that parameter's sharding; anything else (step
+  counts, scalars) is replicated over `mesh`.
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  by_path = {jax.tree_util.keystr(p): (x.shape, x.sharding) for p, x in flat}
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def one(path, leaf):
+    s = jax.tree_util.keystr(path)
+    for k, (shape, sharding) in by_path.items():
+      if s.endswith(k) and tuple(leaf.shape) == tuple(shape):
+        return sharding
+    return replicated
+  return jax.tree_util.tree_map_with_path(one, abstract_tree)

@@ -13,10 +13,28 @@ At the end: a greedy evaluation, a PNG of the curves, the summary (reward change
 first 10% of steps to the last 10%), and the policy exported as an HF checkpoint.
 
 Artifacts in --workdir: metrics.jsonl, tb/, ckpt/, curves.png, summary.json, hf/.
+
+Scale and faults:
+  * Mesh (`config.mesh`, axes data/fsdp/tensor, one -1 = remaining devices): the model loads
+    sharded by its logical axes, the optimizer state mirrors the parameter shardings, batches
+    are split over (data, fsdp), and the learner's update returns its state with the same
+    NamedShardings. The sampler runs on the same sharded parameters.
+  * Multi-process: `init_distributed()` (CLI) calls `jax.distributed.initialize` when
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID are set. Every process
+    builds the same prompt batch from the shared data position and hands jax only its
+    addressable shards (`sharding.put_batch`); rewards are recomputed on every process from the
+    gathered completions (cheap, and it keeps the processes in step without another
+    collective). Checkpoints are written by all processes together (orbax); metrics, plots
+    and the HF export by process 0. The learner step across processes is what the tests cover
+    (tests/test_distributed.py); the full loop in several processes is not tested.
+  * Exact resume: everything the loop reads is in the checkpoint (params, AdamW state with
+    its schedule count, the RNG key, the data position) or a pure function of (seed, step);
+    a run killed at any point and resumed ends with bitwise identical parameters.
+  * A non-finite loss or gradient skips the update (`learner/skipped`); `debug.nan_step`
+    injects one. XLA out-of-memory errors are re-raised naming the knobs that lower memory.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -24,15 +42,20 @@ import sys
 import time
 from typing import Optional
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import app, flags
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from trm_jax import config as config_lib
+from trm_jax import sharding as shd
 from trm_jax import warmup
 from trm_jax.checkpoint import Checkpointer
 from trm_jax.data import (load_problems, make_prompt_batch, math_reward, problem_batch,
@@ -129,14 +152,87 @@ class Task:
     return make_prompt_batch(self.tok, problems, group_size, max_prompt_len=self.max_prompt_len)
 
 
+def host(x: jax.Array) -> np.ndarray:
+  """The full value of a (possibly multi-process) global array on this host."""
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def rewards_of(tok, rollout, problems, problem_ids, P: int) -> np.ndarray:
-  tokens = np.asarray(rollout.tokens)[:, P:]
-  mask = np.asarray(rollout.response_mask)[:, P:] > 0
+  tokens = host(rollout.tokens)[:, P:]
+  mask = host(rollout.response_mask)[:, P:] > 0
   out = np.zeros(tokens.shape[0], np.float32)
   for b in range(tokens.shape[0]):
     text = tok.decode(tokens[b][mask[b]].tolist())
     out[b] = math_reward(text, problems[problem_ids[b]].answer)
   return out
+
+
+# ------------------------------------------------------------------------------------------
+# Devices and faults
+# ------------------------------------------------------------------------------------------
+def init_distributed() -> bool:
+  """`jax.distributed.initialize` from the standard environment variables, if they are set.
+
+  JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES, JAX_PROCESS_ID. Returns
+  whether it initialised. Must run before anything touches a jax device.
+  """
+  addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if not addr:
+    return False
+  missing = [k for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if k not in os.environ]
+  if missing:
+    raise config_lib.ConfigError(f"JAX_COORDINATOR_ADDRESS={addr!r} is set but {missing} "
+                                 "are not: set all three for a multi-process run")
+  jax.distributed.initialize(addr, num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                             process_id=int(os.environ["JAX_PROCESS_ID"]))
+  return True
+
+
+def make_mesh(c: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  """The (data, fsdp, tensor) mesh of `config.mesh` over every device of every process."""
+  try:
+    return shd.mesh_from_config(dict(c.mesh), key="mesh")
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from e
+
+
+OOM_KNOBS = ("rl.num_microbatches (raise it: smaller microbatches, same update)",
+             "rl.chunk (lower it: fewer positions per vocabulary projection)",
+             "model.remat=True (recompute block activations in the backward pass)",
+             "task.max_new_tokens (shorter rollouts)",
+             "rl.batch_size, or a larger mesh.fsdp to shard parameters and optimizer state")
+
+
+class OutOfMemoryError(MemoryError):
+  """XLA ran out of device memory; the message names the config knobs that lower it."""
+
+
+@contextlib.contextmanager
+def oom_hints(stage: str):
+  """Re-raises XLA RESOURCE_EXHAUSTED errors inside the block with the knobs to lower."""
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise OutOfMemoryError(
+        f"out of device memory in the {stage}. Knobs that lower memory:\n  " +
+        "\n  ".join(OOM_KNOBS) + f"\n(XLA: {str(e).splitlines()[0]})") from e
+
+
+def init_learner_state(model: nnx.Module, tx, mesh: jax.sharding.Mesh):
+  """Splits a (sharded) model and creates its optimizer state on `mesh`.
+
+  Returns (graphdef, params, rest, opt_state, (param shardings, opt-state shardings)): AdamW's
+  moments take their parameter's sharding, scalars (the schedule count) are replicated.
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  param_sh = jax.tree.map(lambda x: x.sharding, params)
+  opt_sh = shd.mirror_shardings(jax.eval_shape(tx.init, params), params, mesh)
+  opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+  return graphdef, params, rest, opt_state, (param_sh, opt_sh)
 
 
 # ------------------------------------------------------------------------------------------
@@ -150,8 +246,12 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
     f.write(c.to_json_best_effort(indent=2))
 
   # --- Model, tokenizer, task -------------------------------------------------------------
+  mesh = make_mesh(c)
+  log.info("mesh %s over %d devices, %d processes", dict(mesh.shape), mesh.size,
+           jax.process_count())
   base = warmup.ensure_base_model(c, log=log.info)
-  model = from_pretrained(base, dtype=_dtype(c.model.dtype, "model.dtype"), remat=c.model.remat)
+  model = from_pretrained(base, dtype=_dtype(c.model.dtype, "model.dtype"), remat=c.model.remat,
+                          mesh=mesh)
   tok = load_tokenizer(base)
   task = Task(c, tok)
   P, N = task.max_prompt_len, task.max_new_tokens
@@ -162,14 +262,15 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
   # --- Optimizer and learner ----------------------------------------------------------------
   o = c.optim
   steps_per_batch = c.rl.num_minibatches * c.rl.num_epochs
-  tx = optim.make_optimizer(lr=o.lr, warmup_steps=min(o.warmup_steps, c.total_steps * steps_per_batch - 1),
-                            total_steps=c.total_steps * steps_per_batch,
+  n_updates = c.total_steps * steps_per_batch
+  tx = optim.make_optimizer(lr=o.lr, warmup_steps=min(o.warmup_steps, n_updates - 1),
+                            total_steps=n_updates,
                             weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
                             clip_norm=o.clip_norm, min_lr_ratio=o.min_lr_ratio)
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  opt_state = tx.init(params)
-  score, update = make_learner(graphdef, tx, lcfg, response_start=P)
-  rng = jax.random.key(c.seed)
+  graphdef, params, rest, opt_state, state_sh = init_learner_state(model, tx, mesh)
+  score, update = make_learner(graphdef, tx, lcfg, response_start=P, state_shardings=state_sh)
+  # Replicated on the mesh: orbax saves global arrays only (multi-process).
+  rng = jax.device_put(jax.random.key(c.seed), NamedSharding(mesh, PartitionSpec()))
 
   # --- Resume -------------------------------------------------------------------------------
   ckpt = Checkpointer(os.path.join(workdir, "ckpt"), save_every=c.ckpt_every,
@@ -184,9 +285,10 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
     log.info("resumed from step %d (data position %d)", start, data_pos)
   params, opt_state, rng = state["params"], state["opt_state"], state["rng"]
 
+  lead = jax.process_index() == 0  # writes metrics, plots, summary and the HF export
   logger = MetricsLogger(workdir, total_steps=c.total_steps, enable_progress=progress,
                          progress_keys=PROGRESS_KEYS,
-                         resume_step=start if restored is not None else None)
+                         resume_step=start if restored is not None else None) if lead else None
   n_prompts = c.rl.batch_size // c.rl.group_size
   mb_size = c.rl.batch_size // c.rl.num_minibatches
   t_start = time.time()
@@ -200,18 +302,22 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
     data_pos += n_prompts
     # (2) rollout (pi_roll: sampler dtype, noise, cache)
     sampler = nnx.merge(graphdef, params, rest)
-    ro = generate(sampler, jnp.asarray(pb.tokens), jnp.asarray(pb.lengths),
-                  max_new_tokens=N, key=k_roll, temperature=c.rollout.temperature,
+    prompt_tokens, prompt_lengths = shd.put_batch((pb.tokens, pb.lengths), mesh)
+    with oom_hints("rollout"):
+      ro = generate(sampler, prompt_tokens, prompt_lengths, max_new_tokens=N, key=k_roll, temperature=c.rollout.temperature,
                   top_p=c.rollout.top_p, top_k=c.rollout.top_k, cache=cache,
-                  keep_full_logprobs=c.rollout.keep_full_logprobs,
-                  keep_topk_logprobs=c.rollout.keep_topk_logprobs,
-                  compute_dtype=roll_dtype, logit_noise=c.rollout.logit_noise,
-                  router_noise_scale=c.rollout.router_noise, attn_impl=c.model.attn_impl)
+                    keep_full_logprobs=c.rollout.keep_full_logprobs,
+                    keep_topk_logprobs=c.rollout.keep_topk_logprobs,
+                    compute_dtype=roll_dtype, logit_noise=c.rollout.logit_noise,
+                    router_noise_scale=c.rollout.router_noise, attn_impl=c.model.attn_impl)
     t_roll = time.time() - t0
     # (3) rewards and advantages
     rewards = rewards_of(tok, ro, problems, pb.problem_ids, P)
     adv = adv_lib.group_advantages(jnp.asarray(rewards), group_size=c.rl.group_size,
                                    normalize_std=c.rl.normalize_std)
+    if step == c.debug.nan_step:
+      # Fault injection: NaN advantages make the loss and every gradient NaN.
+      adv = jnp.full_like(adv, jnp.nan)
     resp = ro.response_mask.astype(jnp.float32)
     batch = LearnerBatch(tokens=ro.tokens, segment_ids=ro.segment_ids, response_mask=resp,
                          logp_roll=ro.logp, advantages=adv, logp_old=ro.logp,
@@ -219,8 +325,10 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
                          evicted_at=ro.evicted_at if lcfg.mode == "smd" else None,
                          roll_logp_full=ro.full_logp, roll_topk_logp=ro.topk_logp,
                          roll_topk_ids=ro.topk_ids)
+    batch = shd.put_batch(batch, mesh)
     # (4) learner
-    logp_old, weights, _, metrics = score(params, rest, batch)
+    with oom_hints("learner score pass"):
+      logp_old, weights, _, metrics = score(params, rest, batch)
     batch = batch.replace(logp_old=logp_old, token_weights=weights)
     if lcfg.mode == "sparse_rl":
       # Sparse-RL's weights already carry the dense/sparse correction: the surrogate's ratio
@@ -231,8 +339,9 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
       perm = jax.random.permutation(jax.random.fold_in(k_perm, epoch), c.rl.batch_size)
       for i in range(c.rl.num_minibatches):
         idx = perm[i * mb_size:(i + 1) * mb_size]
-        mb = jax.tree.map(lambda x: x[idx], batch)
-        params, opt_state, aux = update(params, opt_state, rest, mb)
+        mb = shd.put_batch(jax.tree.map(lambda x: x[idx], batch), mesh)
+        with oom_hints("learner update"):
+          params, opt_state, aux = update(params, opt_state, rest, mb)
         upd.append(aux)
     # (5) metrics and checkpoint
     metrics = {k: float(v) for k, v in metrics.items()}
@@ -245,17 +354,23 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
                     "rollout/cache_bytes": float(ro.stats.cache_bytes),
                     "time/rollout_s": t_roll, "time/step_s": time.time() - t0,
                     "throughput/tokens_per_s": n_tok / max(time.time() - t0, 1e-9)})
-    logger.log(step, metrics)
+    if logger is not None:
+      logger.log(step, metrics)
     ckpt.maybe_save(step, {"params": params, "opt_state": opt_state, "rng": rng},
                     meta={"step": step, "data_pos": data_pos},
                     force=step == c.total_steps)
   ckpt.close()
-  logger.close()
+  if logger is not None:
+    logger.close()
 
   # --- Final evaluation, plot, summary, export ----------------------------------------------
   result = {"workdir": workdir, "wall_s": time.time() - t_start}
   if c.eval_problems:
-    result["eval"] = evaluate(c, graphdef, params, rest, task, tok)
+    result["eval"] = evaluate(c, graphdef, params, rest, task, tok, mesh)
+  # The export needs the full parameters on the lead's host (a collective: all processes).
+  params_host = jax.tree.map(host, params) if c.export_hf else None
+  if not lead:
+    return result
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   plot_curves(metrics_path, os.path.join(workdir, "curves.png"),
               keys=["reward", "trm/reject_rate", "trm/ppl_gap", "bound/unified",
@@ -264,7 +379,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
   result["summary"] = s
   if c.export_hf:
     out = os.path.join(workdir, "hf")
-    save_pretrained(nnx.merge(graphdef, params, rest), out)
+    save_pretrained(nnx.merge(graphdef, params_host, rest), out)
     for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
               "special_tokens_map.json", "chat_template.jinja"):
       if os.path.exists(os.path.join(base, f)):
@@ -279,7 +394,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
   return result
 
 
-def evaluate(c, graphdef, params, rest, task: Task, tok) -> dict:
+def evaluate(c, graphdef, params, rest, task: Task, tok, mesh) -> dict:
   """Held-out evaluation with the dense cache in the learner dtype.
 
   eval_samples == 1: greedy accuracy. k > 1: k samples per problem at the rollout temperature
@@ -288,8 +403,9 @@ def evaluate(c, graphdef, params, rest, task: Task, tok) -> dict:
   problems = task.eval_problems(c.eval_problems)
   k = c.eval_samples
   pb = task.prompts(problems, k)
-  ro = generate(nnx.merge(graphdef, params, rest), jnp.asarray(pb.tokens),
-                jnp.asarray(pb.lengths), max_new_tokens=task.max_new_tokens,
+  tokens, lengths = shd.put_batch((pb.tokens, pb.lengths), mesh)
+  ro = generate(nnx.merge(graphdef, params, rest), tokens, lengths,
+                max_new_tokens=task.max_new_tokens,
                 key=jax.random.key(c.seed + 3), greedy=k == 1,
                 temperature=c.rollout.temperature, top_p=c.rollout.top_p)
   correct = rewards_of(tok, ro, problems, pb.problem_ids, task.max_prompt_len) > 0.5
@@ -306,6 +422,7 @@ def main(argv):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
   logging.getLogger("absl").setLevel(logging.WARNING)
   try:
+    init_distributed()
     run(_CONFIG.value, _WORKDIR.value)
   except config_lib.ConfigError as e:
     sys.exit(f"error: {e}")

@@ -112,12 +112,16 @@ def _trm_mask(cfg: LearnerConfig, terms: dict, batch: LearnerBatch):
 
 
 def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                 cfg: LearnerConfig, *, response_start: int):
+                 cfg: LearnerConfig, *, response_start: int,
+                 state_shardings: Optional[tuple] = None):
   """Builds jitted `score(params, rest, batch)` and `update(params, opt_state, rest, batch)`.
 
   `params` is the model's nnx.Param state, `rest` any other state (`nnx.split(model,
   nnx.Param, ...)`). `response_start` = P, where the response region of `tokens` begins
-  (static; TRM bounds are computed over the response region only).
+  (static; TRM bounds are computed over the response region only). `state_shardings` =
+  (param shardings, optimizer-state shardings), pytrees of NamedSharding: `update` returns
+  its new state with exactly these (so donation reuses the buffers and the next call does
+  not recompile for a layout XLA happened to choose); None leaves the layout to propagation.
   """
   P = response_start
   distill = cfg.mode == "smd" and cfg.lam > 0
@@ -172,7 +176,9 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  out_shardings = None if state_shardings is None else (*state_shardings, None)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=out_shardings)
   def update(params, opt_state, rest, mb: LearnerBatch):
     norm = jnp.stack([
         objectives.loss_normalizer(mb.response_mask, loss_agg=cfg.loss_agg, max_len=cfg.max_len),
