@@ -108,3 +108,21 @@ def hf_logits(path_or_model, tokens: np.ndarray, attention_mask: Optional[np.nda
   with torch.no_grad():
     out = model(input_ids=ids, attention_mask=mask)
   return out.logits.float().numpy()
+
+
+def hf_greedy(path_or_model, tokens: np.ndarray, max_new_tokens: int,
+              attention_mask: Optional[np.ndarray] = None) -> np.ndarray:
+  """transformers greedy decoding: [B, T] prompts (left-padded if masked) -> [B, T + n] int32.
+
+  Generation runs exactly `max_new_tokens` steps (EOS does not stop it), so rows align.
+  """
+  model = (load_hf_model(os.fspath(path_or_model))
+           if isinstance(path_or_model, (str, os.PathLike)) else path_or_model)
+  ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
+  mask = (torch.ones_like(ids) if attention_mask is None
+          else torch.as_tensor(np.asarray(attention_mask), dtype=torch.long))
+  with torch.no_grad():
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                         pad_token_id=model.config.pad_token_id)
+  return out.numpy().astype(np.int32)

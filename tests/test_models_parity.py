@@ -5,7 +5,8 @@ import pytest
 import torch
 from flax import nnx
 
-from hf_fixtures import ARCHS, hf_logits, load_hf_model, make_hf_checkpoint, sample_batch
+from hf_fixtures import (ARCHS, hf_greedy, hf_logits, load_hf_model, make_hf_checkpoint,
+                         sample_batch)
 from trm_jax.kernels import Visibility
 from trm_jax.models import from_pretrained
 
@@ -95,3 +96,19 @@ def test_hf_model_really_is_the_fixture_arch(checkpoints):
   assert type(moe.model.layers[1].mlp).__name__ == "Qwen3MoeMLP"
   tied = load_hf_model(checkpoints["qwen3_tied"])
   assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+
+
+def test_hf_greedy_continuation_is_our_argmax(checkpoints):
+  """Teacher-forced check of the greedy helper the rollout tests use: every token transformers
+  generated (left-padded prompts, KV cache) is our argmax at the position before it."""
+  path = checkpoints["qwen3_moe"]
+  prompts, _ = sample_batch(B=2, T=6, seed=5)
+  mask = np.ones_like(prompts)
+  mask[1, :2] = 0                                      # row 1: 4-token prompt, left-padded
+  prompts = np.where(mask == 1, prompts, 0)
+  n = 5
+  seq = hf_greedy(path, prompts, n, attention_mask=mask)
+  assert seq.shape == (2, 6 + n)
+  seg = np.concatenate([mask, np.ones((2, n), np.int32)], axis=1)
+  logits = _ours(from_pretrained(path), seq, seg)
+  np.testing.assert_array_equal(np.argmax(logits[:, 5:-1], axis=-1), seq[:, 6:])
