@@ -81,7 +81,9 @@ def token_terms(unembed: Callable[[jax.Array], jax.Array], h: jax.Array, tokens:
     out = {"logp": jnp.take_along_axis(logq, c["y"][..., None], axis=-1)[..., 0],
            "entropy": -jnp.sum(jnp.exp(logq) * logq, axis=-1)}
     if "th" in c:
-      logp_t = jax.nn.log_softmax(unembed(c["th"]), axis=-1)   # teacher, no gradient
+      # Teacher, no gradient: stopping its hidden states is not enough, `unembed`'s weights
+      # (lm_head, or the tied embedding) are the student's and would get the teacher's term.
+      logp_t = sg(jax.nn.log_softmax(unembed(c["th"]), axis=-1))
       out["distill_kl"] = jnp.sum(jnp.exp(logp_t) * (logp_t - logq), axis=-1)
     if "rl" in c:
       kl, tv = divergence.token_divergences(sg(logq), c["rl"], c["m"], chunk_size=C)
