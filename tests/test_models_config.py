@@ -82,3 +82,14 @@ def test_missing_required_key_is_named():
   del hf["vocab_size"]
   with pytest.raises(ValueError, match="'vocab_size'"):
     ModelConfig.from_hf(hf)
+
+
+def test_attention_flags_follow_model_type_and_must_agree():
+  assert (ModelConfig(model_type="qwen2").qkv_bias, ModelConfig(model_type="qwen2").o_bias) == (
+      True, False)
+  assert not ModelConfig(model_type="llama").qk_norm and ModelConfig(model_type="qwen3").qk_norm
+  assert ModelConfig(model_type="llama", qkv_bias=True).o_bias  # one attention_bias flag
+  with pytest.raises(ValueError, match="qk_norm=True is not a llama architecture"):
+    ModelConfig(model_type="llama", qk_norm=True)
+  with pytest.raises(ValueError, match="o_bias=False is not a qwen3 architecture"):
+    ModelConfig(model_type="qwen3", qkv_bias=True, o_bias=False)

@@ -50,9 +50,10 @@ class ModelConfig:
   head_dim: int = 16                  # H
   rms_norm_eps: float = 1e-6
   tie_word_embeddings: bool = False   # unembedding reuses the [V, D] embedding table
-  qkv_bias: bool = False              # q/k/v projections carry a bias
-  o_bias: bool = False                # output projection carries a bias
-  qk_norm: bool = True                # RMSNorm over H on q and k before RoPE (Qwen3)
+  # None = the model_type's architecture (see module docstring); explicit values must agree.
+  qkv_bias: Optional[bool] = None     # q/k/v projections carry a bias
+  o_bias: Optional[bool] = None       # output projection carries a bias
+  qk_norm: Optional[bool] = None      # RMSNorm over H on q and k before RoPE (Qwen3)
   # RoPE
   rope_theta: float = 10000.0
   rope_type: str = "default"          # "default" or "llama3"
@@ -91,9 +92,24 @@ class ModelConfig:
     if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
       raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                        f"[1, num_experts={self.num_experts}]")
+    self._resolve_attention_flags()
     object.__setattr__(self, "dtype", dtype_name(self.dtype))
     object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
     object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+
+  def _resolve_attention_flags(self):
+    """Fills None flags from model_type; rejects combinations transformers cannot express."""
+    qwen2, qwen3 = self.model_type == "qwen2", self.model_type in ("qwen3", "qwen3_moe")
+    default_bias = self.o_bias if self.qkv_bias is None else self.qkv_bias
+    flags = dict(qkv_bias=True if qwen2 else bool(default_bias),
+                 o_bias=False if qwen2 else bool(default_bias), qk_norm=qwen3)
+    for name, want in flags.items():
+      got = getattr(self, name)
+      if got is not None and got != want:
+        raise ValueError(f"{name}={got} is not a {self.model_type} architecture (qwen2: q/k/v "
+                         "bias, no o bias; llama/qwen3: one attention_bias for q/k/v/o; q/k "
+                         "norm iff qwen3)")
+      object.__setattr__(self, name, want)
 
   @property
   def compute_dtype(self):
