@@ -76,7 +76,8 @@ def test_sampling_config_rejects_bad_values(kw, name):
 
 @pytest.mark.parametrize("kw,name", [
     (dict(policy="lru"), "policy"), (dict(policy="h2o"), "ratio"),
-    (dict(policy="h2o", ratio=0.5, capacity=4), "capacity"), (dict(policy="h2o", ratio=1.0), "ratio"),
+    (dict(policy="h2o", ratio=0.5, capacity=4), "capacity"),
+    (dict(policy="h2o", ratio=1.0), "ratio"),
     (dict(policy="snapkv", ratio=0.5, scope="sequence"), "scope"),
     (dict(policy="snapkv", ratio=0.5, kernel=4), "kernel"), (dict(ratio=0.5), "none")])
 def test_cache_config_rejects_bad_values(kw, name):

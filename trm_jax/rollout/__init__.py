@@ -5,10 +5,10 @@ rollout's `evicted_at` [B, L, K, T] replays the sampler's attention in the learn
 `trm_jax.kernels.visibility.Visibility`.
 """
 from trm_jax.rollout.cache import LayerCache, num_slots
-from trm_jax.rollout.sampler import generate, generate_from_state
+from trm_jax.rollout.sampler import generate, generate_from_state, run_phase
 from trm_jax.rollout.sampling import sampled_logprobs, token_logprobs
 from trm_jax.rollout.types import CacheConfig, Rollout, RolloutStats, SamplingConfig
 
 __all__ = ["CacheConfig", "LayerCache", "Rollout", "RolloutStats", "SamplingConfig",
-           "generate", "generate_from_state", "num_slots", "sampled_logprobs",
+           "generate", "generate_from_state", "num_slots", "run_phase", "sampled_logprobs",
            "token_logprobs"]

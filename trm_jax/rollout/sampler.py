@@ -20,7 +20,14 @@ their later tokens are pad_id with segment id 0, invisible to the learner.
 
 Mismatch knobs (rollout != learner, for TRM experiments): `compute_dtype` (e.g. bf16 sampling
 of an fp32 model), `logit_noise`, `router_noise_scale` (MoE layers), and stale parameters:
-pass the stale model (or its state to `generate_from_state`).
+pass the stale model (or its state to `generate_from_state`). Logit noise for the token at
+index i + 1 is `logit_noise * normal(fold_in(stream_keys(key)[1], i), [B, V])`, so a test or an
+analysis can replay it.
+
+Costs worth knowing: H2O's prefill scores materialise the prompt's [B, K, G, P, P] attention
+probabilities once (the column sums are what H2O accumulates); SnapKV only needs the window's
+[B, K, G, W, P]. Decode attention reads all C slots every step (empty ones masked), so the
+dense cache costs P + N - 1 slots per step from the first step on.
 """
 from __future__ import annotations
 
@@ -106,7 +113,7 @@ def generate_from_state(graphdef, state, prompt_ids, prompt_lengths, *, key: jax
                        f"max {lens.max()}")
   return _generate_jit(graphdef, state, prompt_ids.astype(jnp.int32),
                        prompt_lengths.astype(jnp.int32), key, scfg=sampling_config,
-                       ccfg=cache_config, attn_impl=attn_impl)
+                       ccfg=cache_config, attn_impl=attn_impl, phase="all")
 
 
 def stream_keys(key: jax.Array):
@@ -122,9 +129,30 @@ def _graphdef_with_dtype(cls, config, dtype_name: str):
   return nnx.split(abstract)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "scfg", "ccfg", "attn_impl"))
-def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, *, scfg: SamplingConfig,
-                  ccfg: CacheConfig, attn_impl: str) -> Rollout:
+def run_phase(phase: str, graphdef, state, prompt_ids, prompt_lengths, *, key: jax.Array,
+              sampling_config: SamplingConfig, cache_config: CacheConfig = CacheConfig(),
+              carry=None, attn_impl: str = "auto"):
+  """The two halves of `generate` as separately jitted programs, for profiling (bench).
+
+  phase="prefill" returns the decode loop's initial carry; phase="decode" runs the loop from
+  `carry` (same other arguments) and returns the `Rollout`. `generate` compiles both halves
+  into one program.
+  """
+  if phase not in ("prefill", "decode"):
+    raise ValueError(f"phase={phase!r}; expected 'prefill' or 'decode'")
+  if (phase == "decode") != (carry is not None):
+    raise ValueError("carry is required for phase='decode' and only for it")
+  return _generate_jit(graphdef, state, jnp.asarray(prompt_ids, jnp.int32),
+                       jnp.asarray(prompt_lengths, jnp.int32), key, carry,
+                       scfg=sampling_config, ccfg=cache_config, attn_impl=attn_impl,
+                       phase=phase)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("graphdef", "scfg", "ccfg", "attn_impl", "phase"))
+def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry=None, *,
+                  scfg: SamplingConfig, ccfg: CacheConfig, attn_impl: str,
+                  phase: str = "all"):
   model = nnx.merge(graphdef, state)
   B, P = prompt_ids.shape
   N = scfg.max_new_tokens
@@ -155,41 +183,47 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, *, scfg: Sam
           jax.random.fold_in(k_noise, step), logits.shape, jnp.float32)
     return sampling.sample(jax.random.fold_in(k_sample, step), logits, scfg)
 
-  # --- (1) prefill: full-prompt attention, then per-layer compression -----------------------
-  evicted_at = jnp.full((B, L, K, T), NEVER_EVICTED, jnp.int32)
-  vis = LayerVisibility(segment_ids=valid.astype(jnp.int32))
-  x = model.embed(prompt_ids)
-  caches = []
-  for l, layer in enumerate(model.layers):
-    q, k, v = layer.attn.qkv(layer.input_norm(x), positions)
-    x = x + layer.attn.out(attention(q, k, v, vis, impl=attn_impl))
-    x = x + mlp(layer, layer.post_attn_norm(x), P - 1)
-    score = eviction.prompt_scores(ccfg, q, k, valid)                 # [B, K, P]
-    kept = eviction.select_prompt(ccfg, valid, score, keep, start=start, budget=budget,
-                                  layer=l, rand_key=k_evict)          # [B, K, P]
-    dropped = valid[:, None, :] & ~kept
-    evicted_at = evicted_at.at[:, l, :, :P].set(
-        jnp.where(dropped, P, evicted_at[:, l, :, :P]))
-    caches.append(kv.from_prompt(k, v, kept, score if ccfg.policy == "h2o" else
-                                 jnp.zeros_like(score), num_prompt_slots=Cp,
-                                 num_total_slots=C))
-  tok, logp, dist = next_token(x[:, -1], P - 1)
+  if phase == "decode":
+    carry = tuple(carry)
+  else:
+    # --- (1) prefill: full-prompt attention, then per-layer compression ---------------------
+    evicted_at = jnp.full((B, L, K, T), NEVER_EVICTED, jnp.int32)
+    vis = LayerVisibility(segment_ids=valid.astype(jnp.int32))
+    x = model.embed(prompt_ids)
+    caches = []
+    for l, layer in enumerate(model.layers):
+      q, k, v = layer.attn.qkv(layer.input_norm(x), positions)
+      x = x + layer.attn.out(attention(q, k, v, vis, impl=attn_impl))
+      x = x + mlp(layer, layer.post_attn_norm(x), P - 1)
+      score = eviction.prompt_scores(ccfg, q, k, valid)                 # [B, K, P]
+      kept = eviction.select_prompt(ccfg, valid, score, keep, start=start, budget=budget,
+                                    layer=l, rand_key=k_evict)          # [B, K, P]
+      dropped = valid[:, None, :] & ~kept
+      evicted_at = evicted_at.at[:, l, :, :P].set(
+          jnp.where(dropped, P, evicted_at[:, l, :, :P]))
+      caches.append(kv.from_prompt(k, v, kept, score if ccfg.policy == "h2o" else
+                                   jnp.zeros_like(score), num_prompt_slots=Cp,
+                                   num_total_slots=C))
+    tok, logp, dist = next_token(x[:, -1], P - 1)
 
-  # --- (2) output buffers ------------------------------------------------------------------
-  tokens = jnp.concatenate([prompt_ids, jnp.full((B, N), scfg.pad_id, jnp.int32)], axis=1)
-  tokens = tokens.at[:, P].set(tok)
-  zeros = jnp.zeros((B, T), jnp.float32)
-  out = dict(tokens=tokens, logp=zeros.at[:, P].set(logp),
-             entropy=zeros.at[:, P].set(sampling.entropy(dist)),
-             mask=jnp.zeros((B, T), jnp.int32).at[:, P].set(1))
-  if scfg.keep_topk_logprobs:
-    tv, ti = jax.lax.top_k(dist, scfg.keep_topk_logprobs)
-    kk = scfg.keep_topk_logprobs
-    out["topk_logp"] = jnp.zeros((B, T, kk), jnp.float32).at[:, P].set(tv)
-    out["topk_ids"] = jnp.zeros((B, T, kk), jnp.int32).at[:, P].set(ti.astype(jnp.int32))
-  if scfg.keep_full_logprobs:
-    out["full_logp"] = jnp.zeros((B, T, dist.shape[-1]), jnp.float32).at[:, P].set(dist)
-  done = _is_eos(tok, scfg.eos_ids)
+    # --- (2) output buffers ----------------------------------------------------------------
+    tokens = jnp.concatenate([prompt_ids, jnp.full((B, N), scfg.pad_id, jnp.int32)], axis=1)
+    tokens = tokens.at[:, P].set(tok)
+    zeros = jnp.zeros((B, T), jnp.float32)
+    out = dict(tokens=tokens, logp=zeros.at[:, P].set(logp),
+               entropy=zeros.at[:, P].set(sampling.entropy(dist)),
+               mask=jnp.zeros((B, T), jnp.int32).at[:, P].set(1))
+    if scfg.keep_topk_logprobs:
+      tv, ti = jax.lax.top_k(dist, scfg.keep_topk_logprobs)
+      kk = scfg.keep_topk_logprobs
+      out["topk_logp"] = jnp.zeros((B, T, kk), jnp.float32).at[:, P].set(tv)
+      out["topk_ids"] = jnp.zeros((B, T, kk), jnp.int32).at[:, P].set(ti.astype(jnp.int32))
+    if scfg.keep_full_logprobs:
+      out["full_logp"] = jnp.zeros((B, T, dist.shape[-1]), jnp.float32).at[:, P].set(dist)
+    done = _is_eos(tok, scfg.eos_ids)
+    carry = (jnp.int32(P), out, tuple(caches), evicted_at, done)
+    if phase == "prefill":
+      return carry
 
   # --- (3) decode: query i feeds token i and samples token i + 1 ---------------------------
   def cond(carry):
@@ -238,8 +272,7 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, *, scfg: Sam
     done = done | (alive & _is_eos(tok, scfg.eos_ids))
     return i + 1, out, tuple(new_caches), evicted_at, done
 
-  i, out, caches, evicted_at, done = jax.lax.while_loop(
-      cond, body, (jnp.int32(P), out, tuple(caches), evicted_at, done))
+  i, out, caches, evicted_at, done = jax.lax.while_loop(cond, body, carry)
 
   mask = out["mask"]
   return Rollout(
