@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 
 from trm_jax import config as config_lib
@@ -42,7 +43,15 @@ def host_batch(seed: int = 0) -> LearnerBatch:
 
 def learner_step(mesh, steps: int = 1):
   """`steps` learner updates of the tiny model on `mesh`; returns (params, opt_state, aux, fns)."""
-  model = shd.shard_model(make_test_model(seed=0, **MODEL), mesh)
+  model = make_test_model(seed=0, **MODEL)
+  # Placed from host copies, shard by shard: the same call works when the mesh spans several
+  # processes (a device_put from one local device could not reach the other processes).
+  state = nnx.state(model)
+  sh = shd.state_shardings(state, mesh)
+  nnx.update(model, jax.tree.map(
+      lambda v, s: jax.make_array_from_callback(
+          v.get_value().shape, s, lambda idx, a=np.asarray(v.get_value()): a[idx]),
+      state, sh, is_leaf=lambda x: isinstance(x, nnx.Variable)))
   tx = optim.make_optimizer(lr=1e-2, warmup_steps=1, total_steps=10, weight_decay=0.01, b1=0.9,
                             b2=0.99, eps=1e-3, clip_norm=1.0, min_lr_ratio=0.1)
   graphdef, params, rest, opt_state, state_sh = train.init_learner_state(model, tx, mesh)

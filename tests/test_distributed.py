@@ -1,0 +1,96 @@
+"""Two processes x 2 simulated CPU devices on localhost (gloo collectives) run the learner step
+of tests/test_train_sharding.py on a (data=2, fsdp=2) mesh spanning both processes; the result
+equals one process with 4 devices.
+
+What is covered across processes: `jax.distributed.initialize` via the trainer's
+`init_distributed` (the standard JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+variables), the mesh over all processes' devices, batches handed in as per-process shards
+(`sharding.put_batch`), the sharded update, and gathering the result to a host
+(`train.host`). The full training loop is not run in two processes here.
+
+Run as a script, this file is the worker: `python tests/test_distributed.py OUT.npz`.
+"""
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MESH = dict(data=2, fsdp=2)
+TIMEOUT = 600
+
+
+def _worker(out_path: str) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  from trm_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from trm_jax import train  # pylint: disable=g-import-not-at-top
+  assert train.init_distributed()
+  assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
+  sys.path.insert(0, HERE)
+  import test_train_sharding as tts  # pylint: disable=g-import-not-at-top
+  mesh = shd.mesh_from_config(MESH)
+  # The mesh's data axis runs across the processes: each holds half of the batch.
+  assert {d.process_index for d in mesh.devices[0].flat} == {0}
+  assert {d.process_index for d in mesh.devices[1].flat} == {1}
+  params, opt_state, aux, _ = tts.learner_step(mesh)
+  leaves = [train.host(x) for x in jax.tree.leaves((params, opt_state))]
+  aux = {k: float(v) for k, v in aux.items()}
+  if jax.process_index() == 0:
+    np.savez(out_path, *leaves, aux_keys=np.array(sorted(aux)),
+             aux_values=np.array([aux[k] for k in sorted(aux)]))
+  jax.distributed.shutdown()
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_four_devices(tmp_path):
+  import jax  # pylint: disable=g-import-not-at-top
+  from trm_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from trm_jax import train  # pylint: disable=g-import-not-at-top
+  import test_train_sharding as tts  # pylint: disable=g-import-not-at-top
+
+  out = str(tmp_path / "two_process.npz")
+  port = _free_port()
+  procs = []
+  for i in range(2):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
+    procs.append(subprocess.Popen([sys.executable, __file__, out], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=TIMEOUT)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    assert p.returncode == 0, f"process {i}:\n{log[-4000:]}"
+
+  mesh = shd.make_mesh(shd.resolve_mesh_shape(MESH, 4), jax.devices()[:4])
+  params, opt_state, aux, _ = tts.learner_step(mesh)
+  ref = [np.asarray(train.host(x)) for x in jax.tree.leaves((params, opt_state))]
+  got = np.load(out)
+  assert len(got.files) == len(ref) + 2
+  for i, r in enumerate(ref):
+    np.testing.assert_allclose(got[f"arr_{i}"], r, rtol=1e-5, atol=1e-6)
+  got_aux = dict(zip(got["aux_keys"].tolist(), got["aux_values"].tolist()))
+  assert sorted(got_aux) == sorted(aux)
+  for k, v in aux.items():
+    assert got_aux[k] == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
+
+
+if __name__ == "__main__":
+  _worker(sys.argv[1])
