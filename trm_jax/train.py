@@ -35,14 +35,13 @@ Scale and faults:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
 from typing import Optional
-
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -242,13 +241,19 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
   """Trains per config `c` into `workdir`; returns the summary dict."""
   config_lib.validate(c)
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(c.to_json_best_effort(indent=2))
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(c.to_json_best_effort(indent=2))
 
   # --- Model, tokenizer, task -------------------------------------------------------------
   mesh = make_mesh(c)
   log.info("mesh %s over %d devices, %d processes", dict(mesh.shape), mesh.size,
            jax.process_count())
+  # Process 0 builds the warm-up base model if it is missing; the others then find it cached.
+  if jax.process_index() == 0:
+    warmup.ensure_base_model(c, log=log.info)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("trm_jax.train: base model ready")
   base = warmup.ensure_base_model(c, log=log.info)
   model = from_pretrained(base, dtype=_dtype(c.model.dtype, "model.dtype"), remat=c.model.remat,
                           mesh=mesh)

@@ -1,0 +1,198 @@
+"""End-to-end trainer faults, each in real `python -m trm_jax.train` subprocesses (tiny config,
+8 simulated CPU devices from conftest, so the trainer runs on an 8-way data mesh):
+
+  * SIGKILL mid-run, resume: final parameters, optimizer state and RNG bitwise identical to an
+    uninterrupted run, and metrics.jsonl holds each step exactly once with the same values;
+  * the newest checkpoint's files corrupted: the run falls back to the one before, says so,
+    and still ends bitwise identical;
+  * NaN gradients at one step (`debug.nan_step`): that update is skipped (parameters and
+    optimizer state untouched, `learner/skipped` = 1) and the run finishes.
+
+The base model is built once (a short warm-up on an easier synthetic task, so that rewards
+vary within groups and the gradients are not zero: a resume bug must be able to change the
+parameters). All runs share a persistent XLA compilation cache, so only the first compiles.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from safetensors.numpy import load_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 900  # seconds per trainer run; the machine is shared and heavily loaded
+STEPS = 6
+VOLATILE = ("time/", "throughput/", "wall_time")  # clock readings: allowed to differ
+
+pytestmark = pytest.mark.slow
+
+
+def _args(tmp, workdir, *overrides):
+  return [sys.executable, "-m", "trm_jax.train", "--config", "configs/tiny_trm.py",
+          "--workdir", workdir,
+          f"--config.total_steps={STEPS}", "--config.ckpt_every=2", "--config.keep_ckpts=2",
+          "--config.rl.batch_size=16", "--config.rl.group_size=4", "--config.eval_problems=0",
+          "--config.warmup.steps=80", "--config.warmup.batch_size=32",
+          "--config.task.synthetic.max_operands=3", "--config.task.synthetic.max_value=9",
+          f"--config.warmup.cache_dir={tmp}/base", *overrides]
+
+
+def _env(tmp):
+  env = dict(os.environ)
+  env.update(JAX_COMPILATION_CACHE_DIR=f"{tmp}/xla_cache",
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return env
+
+
+def _train(tmp, workdir, *overrides) -> str:
+  p = subprocess.run(_args(tmp, workdir, *overrides), cwd=ROOT, env=_env(tmp),
+                     capture_output=True, text=True, timeout=TIMEOUT)
+  assert p.returncode == 0, p.stderr[-4000:]
+  return p.stderr
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _state(workdir, step):
+  """The raw orbax state of checkpoint `step` as {path: numpy array}."""
+  import jax  # pylint: disable=g-import-not-at-top
+  tree = ocp.StandardCheckpointer().restore(os.path.join(workdir, "ckpt", str(step), "state"))
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}
+
+
+def _assert_bitwise_equal(a: dict, b: dict):
+  assert sorted(a) == sorted(b)
+  for k in a:
+    assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+    assert a[k].tobytes() == b[k].tobytes(), f"{k} differs"
+
+
+def _assert_same_run(workdir, ref):
+  _assert_bitwise_equal(_state(workdir, STEPS), _state(ref, STEPS))
+  _assert_bitwise_equal(load_file(os.path.join(workdir, "hf", "model.safetensors")),
+                        load_file(os.path.join(ref, "hf", "model.safetensors")))
+  got, want = _metrics(workdir), _metrics(ref)
+  assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # each step exactly once
+  for g, w in zip(got, want):
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(VOLATILE)}
+    assert strip(g) == strip(w), g["step"]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("train"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp):
+  """An uninterrupted run (also builds the base model and fills the compilation cache)."""
+  workdir = os.path.join(tmp, "reference")
+  _train(tmp, workdir)
+  recs = _metrics(workdir)
+  # The runs below can only show a difference if the updates do something.
+  assert any(r["learner/grad_norm"] for r in recs), "all gradients zero: the test is vacuous"
+  assert sorted(os.listdir(os.path.join(workdir, "ckpt"))) == ["4", "6"]
+  return workdir
+
+
+def _run_and_kill(tmp, workdir) -> bool:
+  """Starts a run and SIGKILLs it once a checkpoint is finalized; False if it ended first."""
+  ckpt = os.path.join(workdir, "ckpt")
+  proc = subprocess.Popen(_args(tmp, workdir), cwd=ROOT, env=_env(tmp),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + TIMEOUT
+  try:
+    # A finalized step is a directory named by its number (orbax renames it from *.tmp last).
+    while time.time() < deadline and proc.poll() is None:
+      if os.path.isdir(ckpt) and any(d.isdigit() for d in os.listdir(ckpt)):
+        os.kill(proc.pid, signal.SIGKILL)
+        break
+      time.sleep(0.01)
+  finally:
+    if proc.poll() is None and time.time() >= deadline:
+      proc.kill()
+    proc.wait()
+  return proc.returncode == -signal.SIGKILL
+
+
+def test_sigkill_then_resume_is_bitwise_identical(tmp, reference):
+  for attempt in range(3):  # the kill must land between the first checkpoint and the end
+    workdir = os.path.join(tmp, f"killed{attempt}")
+    if _run_and_kill(tmp, workdir) and not os.path.exists(os.path.join(workdir, "ckpt",
+                                                                         str(STEPS))):
+      break
+  else:
+    pytest.fail("could not kill the run between its first checkpoint and its end")
+  done = max(r["step"] for r in _metrics_safe(os.path.join(workdir, "metrics.jsonl")))
+  assert done < STEPS
+
+  log = _train(tmp, workdir)
+  resumed = [int(d) for d in os.listdir(os.path.join(workdir, "ckpt")) if d.isdigit()]
+  assert "resumed from step " in log, log[-3000:]
+  assert STEPS in resumed
+  _assert_same_run(workdir, reference)
+
+
+def _metrics_safe(path):
+  """metrics.jsonl lines that parse (the process may be mid-write)."""
+  out = []
+  with open(path) as f:
+    for line in f:
+      try:
+        out.append(json.loads(line))
+      except json.JSONDecodeError:
+        pass
+  return out
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp, reference):
+  workdir = os.path.join(tmp, "corrupt")
+  shutil.copytree(reference, workdir)
+  newest = os.path.join(workdir, "ckpt", str(STEPS))
+  rng = np.random.default_rng(0)
+  n = 0
+  for root, _, files in os.walk(os.path.join(newest, "state")):
+    for name in files:
+      path = os.path.join(root, name)
+      size = os.path.getsize(path)
+      with open(path, "wb") as f:  # same size, garbage content
+        f.write(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+      n += 1
+  assert n > 0
+
+  log = _train(tmp, workdir)
+  assert f"checkpoint step {STEPS} in" in log and "is unusable" in log, log[-3000:]
+  assert "falling back to an older one" in log
+  assert f"resumed from checkpoint step {STEPS - 2}" in log
+  assert f"resumed from step {STEPS - 2} " in log
+  _assert_same_run(workdir, reference)
+
+
+def test_nan_gradients_skip_the_update_and_the_run_goes_on(tmp, reference):
+  del reference  # only for the base model and the compilation cache
+  workdir = os.path.join(tmp, "nan")
+  _train(tmp, workdir, "--config.total_steps=3", "--config.ckpt_every=1",
+         "--config.keep_ckpts=3", "--config.debug.nan_step=2")
+  recs = {r["step"]: r for r in _metrics(workdir)}
+  assert sorted(recs) == [1, 2, 3]
+  assert [recs[s]["learner/skipped"] for s in (1, 2, 3)] == [0.0, 1.0, 0.0]
+  assert recs[2]["learner/grad_norm"] is None  # NaN: logged as null
+  assert os.path.exists(os.path.join(workdir, "summary.json"))
+  s1, s2, s3 = (_state(workdir, s) for s in (1, 2, 3))
+  # Step 2 left params and the whole optimizer state (moments and schedule count) untouched...
+  _assert_bitwise_equal(s2, s1)
+  # ... while step 1 and step 3 applied updates (the schedule count moved).
+  counts = [k for k in s1 if k.endswith("['count']")]
+  assert counts and all(int(s1[k]) == 1 for k in counts)
+  assert all(int(s3[k]) == 2 for k in counts)
