@@ -1,0 +1,234 @@
+"""The SMD learner step: compiled temporary memory vs T, and step time vs plain GRPO.
+
+Two measurements of `trm_jax.rl.learner.make_learner(...)`'s `update`, side by side in one run
+(issue 5 acceptance):
+
+  memory   `jit(update).lower(...).compile().memory_analysis().temp_size_in_bytes` at each T
+           in --lengths (B = 1, a narrow model, nothing executed; shapes only). Variants:
+             kernel_shadow     mode "smd": masked track through the Pallas kernel with the
+                               rollout's evicted_at, plus the dense stop-gradient teacher
+             kernel_causal     the same step (both tracks, distillation) with plain causal
+                               visibility through the same kernel
+             reference_shadow  kernel_shadow's step through the XLA reference attention,
+                               which materialises [B, K, G, T, S] logits and the dense mask
+             reference_causal  the reference with causal visibility
+           On CPU (`peak_memory_in_bytes` counts only arguments and outputs there, so
+           temporaries are the honest figure) the kernel can only run through the Pallas
+           interpreter: its numbers are XLA's buffers for the interpreter's loop over blocks,
+           not Triton's. Any buffer of the optimised HLO with two dimensions >= T is listed
+           under `quadratic_buffers`, so a [T, T] materialisation outside the kernel (in the
+           learner's own code) would be named there.
+  time     median wall time of one `update` call after warm-up, on this machine, reference
+           attention (what CPU runs), for mode "off" (plain GRPO: one track), "smd" (masked
+           track + dense teacher + full-vocabulary distillation) and "smd" with lam = 0
+           (masked track only, to split the overhead). Calls are interleaved so that machine
+           load affects every variant alike.
+
+  python bench/learner.py [--quick] [--out bench/results/learner.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from trm_jax.kernels.visibility import NEVER_EVICTED
+from trm_jax.models import make_test_model
+from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
+
+# Model: narrow (the claim is about T), GQA 2:1, two layers; V moderate so the chunked
+# vocabulary projection is part of the picture but does not dominate.
+MEM_MODEL = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=32, vocab_size=1024)
+TIME_MODEL = dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=64, vocab_size=4096)
+
+
+def _abstract_batch(B: int, T: int, L: int, K: int, shadow: bool) -> LearnerBatch:
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  return LearnerBatch(tokens=i32(B, T), segment_ids=i32(B, T), response_mask=f32(B, T),
+                      logp_roll=f32(B, T), advantages=f32(B), logp_old=f32(B, T),
+                      token_weights=f32(B, T), evicted_at=i32(B, L, K, T) if shadow else None)
+
+
+def _quadratic_buffers(hlo: str, T: int) -> list[str]:
+  """Distinct array shapes in the HLO with at least two dimensions >= T."""
+  out = set()
+  for dt, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]+)\]", hlo):
+    d = [int(x) for x in dims.split(",") if x]
+    if sum(x >= T for x in d) >= 2:
+      out.add(f"{dt}[{','.join(map(str, d))}]")
+  return sorted(out)
+
+
+def measure_memory(T: int, *, B: int, chunk: int) -> dict:
+  abstract = nnx.eval_shape(lambda: make_test_model(**MEM_MODEL))
+  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+  tx = optax.adamw(1e-4)
+  opt_state = jax.eval_shape(tx.init, params)
+  cfg = abstract.config
+  row = {"T": T}
+  for impl, attn in (("kernel", "pallas_interpret"), ("reference", "reference")):
+    for shadow in (True, False):
+      name = f"{impl}_{'shadow' if shadow else 'causal'}"
+      lcfg = LearnerConfig(mode="smd", lam=0.1, chunk=chunk, attn_impl=attn)
+      _, update = make_learner(graphdef, tx, lcfg, response_start=T // 4)
+      batch = _abstract_batch(B, T, cfg.num_layers, cfg.num_kv_heads, shadow)
+      t0 = time.perf_counter()
+      compiled = update.lower(params, opt_state, rest, batch).compile()
+      mem = compiled.memory_analysis()
+      row[name] = {"temp_bytes": int(mem.temp_size_in_bytes),
+                   "argument_bytes": int(mem.argument_size_in_bytes),
+                   "output_bytes": int(mem.output_size_in_bytes),
+                   "compile_s": round(time.perf_counter() - t0, 2),
+                   "quadratic_buffers": _quadratic_buffers(compiled.as_text(), T)}
+      print(f"T={T:5d} {name:17s} temp {mem.temp_size_in_bytes / 2**20:9.2f} MiB  "
+            f"quadratic {row[name]['quadratic_buffers'][:3]}", flush=True)
+  row["one_NxTxT_f32_bytes"] = B * cfg.num_heads * T * T * 4
+  row["one_BxTxV_f32_bytes"] = B * T * cfg.vocab_size * 4
+  return row
+
+
+def _concrete_batch(key, B: int, T: int, P: int, L: int, K: int, V: int, ratio: float):
+  """A rollout-shaped batch: left-padded prompts of mixed lengths, full-length responses, and
+  an eviction record in which a fraction `ratio` of keys leave the cache at a random later
+  query (what a sequence-scope policy produces)."""
+  ks = jax.random.split(key, 5)
+  lens = jax.random.randint(ks[0], (B,), P // 2, P + 1)
+  idx = jnp.arange(T)[None]
+  seg = ((idx >= P - lens[:, None])).astype(jnp.int32)
+  tokens = jax.random.randint(ks[1], (B, T), 3, V) * seg
+  resp = (idx >= P).astype(jnp.float32) * jnp.ones((B, 1))
+  j = jnp.arange(T)[None, None, None]
+  evict = jax.random.uniform(ks[2], (B, L, K, T)) < ratio
+  when = j + 1 + jax.random.randint(ks[3], (B, L, K, T), 0, T)
+  evicted_at = jnp.where(evict & (when < T), when, NEVER_EVICTED).astype(jnp.int32)
+  logp = -jax.random.uniform(ks[4], (B, T)) * 5 * resp
+  return LearnerBatch(tokens=tokens, segment_ids=seg, response_mask=resp, logp_roll=logp,
+                      advantages=jax.random.normal(ks[4], (B,)), logp_old=logp,
+                      token_weights=jnp.ones((B, T)), evicted_at=evicted_at)
+
+
+def measure_time(*, B: int, T: int, chunk: int, repeats: int, warmup: int) -> dict:
+  model = make_test_model(**TIME_MODEL)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  cfg = model.config
+  P = T // 4
+  batch = _concrete_batch(jax.random.key(0), B, T, P, cfg.num_layers, cfg.num_kv_heads,
+                          cfg.vocab_size, ratio=0.5)
+  tx = optax.adamw(1e-6)
+  variants = {"grpo_off": LearnerConfig(mode="off", chunk=chunk, attn_impl="reference"),
+              "smd": LearnerConfig(mode="smd", lam=0.1, chunk=chunk, attn_impl="reference"),
+              "smd_masked_only": LearnerConfig(mode="smd", lam=0.0, chunk=chunk,
+                                               attn_impl="reference")}
+  state, fns, times, compile_s = {}, {}, {}, {}
+  for name, lcfg in variants.items():
+    fns[name] = make_learner(graphdef, tx, lcfg, response_start=P)[1]
+    p = jax.tree.map(jnp.copy, params)
+    t0 = time.perf_counter()
+    p, o, aux = fns[name](p, tx.init(p), rest, batch)
+    jax.block_until_ready(aux)
+    compile_s[name] = round(time.perf_counter() - t0, 2)
+    state[name] = (p, o)
+    times[name] = []
+  for it in range(warmup + repeats):
+    for name in variants:              # interleaved: load drifts hit every variant alike
+      p, o = state[name]
+      t0 = time.perf_counter()
+      p, o, aux = fns[name](p, o, rest, batch)
+      jax.block_until_ready((p, o, aux))
+      if it >= warmup:
+        times[name].append(time.perf_counter() - t0)
+      state[name] = (p, o)
+  med = {n: statistics.median(v) for n, v in times.items()}
+  print({n: f"{v * 1e3:.1f} ms" for n, v in med.items()}, flush=True)
+  return {"B": B, "T": T, "P": P, "model": TIME_MODEL, "attn_impl": "reference",
+          "repeats": repeats, "warmup": warmup, "first_call_s": compile_s,
+          "median_s": {n: round(v, 5) for n, v in med.items()},
+          "all_s": {n: [round(x, 5) for x in v] for n, v in times.items()},
+          "smd_over_grpo": round(med["smd"] / med["grpo_off"], 4),
+          "smd_masked_only_over_grpo": round(med["smd_masked_only"] / med["grpo_off"], 4)}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", default="bench/results/learner.json")
+  p.add_argument("--quick", action="store_true",
+                 help="fewer timing repeats and a shorter timing sequence (a few minutes)")
+  p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
+  p.add_argument("--chunk", type=int, default=128, help="LearnerConfig.chunk")
+  p.add_argument("--time-batch", type=int, default=4)
+  p.add_argument("--time-length", type=int, default=None)
+  args = p.parse_args(argv)
+  time_T = args.time_length or (256 if args.quick else 512)
+  repeats, warmup = (5, 1) if args.quick else (10, 2)
+
+  rows = [measure_memory(T, B=1, chunk=args.chunk) for T in args.lengths]
+  by_t = {r["T"]: r for r in rows}
+  ratio = lambda a, b: round(a / b, 4) if b else None
+  summary = {}
+  lo, hi = min(by_t), max(by_t)
+  if hi == 2 * lo:
+    for name in ("kernel_shadow", "kernel_causal", "reference_shadow", "reference_causal"):
+      summary[f"{name}_T{hi}_over_T{lo}"] = ratio(by_t[hi][name]["temp_bytes"],
+                                                  by_t[lo][name]["temp_bytes"])
+  r = by_t[hi]
+  summary[f"kernel_shadow_over_kernel_causal_T{hi}"] = ratio(
+      r["kernel_shadow"]["temp_bytes"], r["kernel_causal"]["temp_bytes"])
+  summary[f"reference_shadow_over_kernel_shadow_T{hi}"] = ratio(
+      r["reference_shadow"]["temp_bytes"], r["kernel_shadow"]["temp_bytes"])
+  summary["kernel_quadratic_buffers"] = sorted({
+      s for row in rows for n in ("kernel_shadow", "kernel_causal")
+      for s in row[n]["quadratic_buffers"]})
+
+  timing = measure_time(B=args.time_batch, T=time_T, chunk=args.chunk, repeats=repeats,
+                        warmup=warmup)
+  summary["step_time_smd_over_grpo"] = timing["smd_over_grpo"]
+  targets = {"kernel_shadow_T4096_over_T2048 <= 2.3": None,
+             "kernel_shadow_over_kernel_causal_T4096 <= 1.15": None,
+             "step_time_smd_over_grpo <= 1.5": timing["smd_over_grpo"] <= 1.5}
+  if "kernel_shadow_T4096_over_T2048" in summary:
+    targets["kernel_shadow_T4096_over_T2048 <= 2.3"] = (
+        summary["kernel_shadow_T4096_over_T2048"] <= 2.3)
+  if "kernel_shadow_over_kernel_causal_T4096" in summary:
+    targets["kernel_shadow_over_kernel_causal_T4096 <= 1.15"] = (
+        summary["kernel_shadow_over_kernel_causal_T4096"] <= 1.15)
+
+  result = {
+      "what": ("learner update step (make_learner(...)[1]): compiled temp_size_in_bytes vs T, "
+               "and median step time SMD vs plain GRPO"),
+      "backend": jax.default_backend(),
+      "kernel_mode": "interpret" if jax.default_backend() == "cpu" else "compiled",
+      "note": ("On CPU the Pallas kernel is lowered through the interpreter: its temporaries "
+               "are XLA buffers of the interpreter's block loop, not GPU SRAM tiles. Step "
+               "times are wall-clock on a shared CPU machine, reference attention."),
+      "jax_version": jax.__version__,
+      "python": platform.python_version(),
+      "quick": args.quick,
+      "memory": {"B": 1, "model": MEM_MODEL, "chunk": args.chunk, "mode": "smd, lam=0.1",
+                 "optimizer": "adamw", "rows": rows},
+      "time": timing,
+      "summary": summary,
+      "targets_met": targets,
+  }
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=2)
+  print(json.dumps({"summary": summary, "targets_met": targets}, indent=2))
+  print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  main()
