@@ -4,10 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from trm_jax.kernels.visibility import Visibility
 from trm_jax.models import make_test_model
-from trm_jax.rollout import CacheConfig, SamplingConfig, generate, token_logprobs
+from trm_jax.rollout import CacheConfig, SamplingConfig, generate, run_phase, token_logprobs
 from trm_jax.rollout.sampler import stream_keys
 
 P, N = 8, 6
@@ -82,3 +83,20 @@ def test_router_jitter_changes_moe_rollouts():
   b = generate(moe, _prompts(), LENS, router_noise_scale=1.0, **kw)
   assert np.isfinite(np.asarray(b.logp)).all()
   assert float(jnp.abs(a.logp - b.logp).max()) > 1e-3
+
+
+def test_run_phase_halves_compose_to_generate(model):
+  """The bench times `run_phase("decode")`; it must be the same computation as `generate`."""
+  scfg = SamplingConfig(max_new_tokens=N, temperature=0.8, eos_ids=())
+  cc = CacheConfig(policy="snapkv", ratio=0.5, window=2)
+  graphdef, state = nnx.split(model)
+  kw = dict(key=KEY, sampling_config=scfg, cache_config=cc)
+  carry = run_phase("prefill", graphdef, state, _prompts(), LENS, **kw)
+  r = run_phase("decode", graphdef, state, _prompts(), LENS, carry=carry, **kw)
+  g = generate(model, _prompts(), LENS, max_new_tokens=N, key=KEY, temperature=0.8,
+               eos_ids=(), cache=cc)
+  np.testing.assert_array_equal(r.tokens, g.tokens)
+  np.testing.assert_array_equal(r.evicted_at, g.evicted_at)
+  np.testing.assert_allclose(r.logp, g.logp, atol=1e-6, rtol=0)
+  with pytest.raises(ValueError, match="carry"):
+    run_phase("decode", graphdef, state, _prompts(), LENS, **kw)
