@@ -6,10 +6,12 @@ What is covered across processes: `jax.distributed.initialize` via the trainer's
 `init_distributed` (the standard JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
 variables), the mesh over all processes' devices, batches handed in as per-process shards
 (`sharding.put_batch`), the sharded update, and gathering the result to a host
-(`train.host`). The full training loop is not run in two processes here.
+(`train.host`). A second test runs the whole trainer (`python -m trm_jax.train`) in two
+processes and checks it against the same run in one process with 4 devices.
 
 Run as a script, this file is the worker: `python tests/test_distributed.py OUT.npz`.
 """
+import json
 import os
 import socket
 import subprocess
@@ -90,6 +92,59 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
   assert sorted(got_aux) == sorted(aux)
   for k, v in aux.items():
     assert got_aux[k] == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
+
+
+def _trainer_args(tmp, workdir):
+  return [sys.executable, "-m", "trm_jax.train", "--config", "configs/tiny_trm.py",
+          "--workdir", workdir, "--config.total_steps=2", "--config.ckpt_every=1",
+          "--config.rl.batch_size=8", "--config.rl.group_size=4", "--config.eval_problems=0",
+          "--config.warmup.steps=10", "--config.warmup.batch_size=16",
+          "--config.task.synthetic.max_operands=3", "--config.task.synthetic.max_value=9",
+          "--config.mesh.data=2", "--config.mesh.fsdp=2",
+          f"--config.warmup.cache_dir={tmp}/base"]
+
+
+@pytest.mark.slow
+def test_trainer_in_two_processes_matches_one_process(tmp_path):
+  """The full loop: process 0 builds the base model, both roll out and update their shards,
+  checkpoints are written together, metrics and the HF export by process 0 only."""
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  tmp = str(tmp_path)
+  multi, single = os.path.join(tmp, "multi"), os.path.join(tmp, "single")
+  port = _free_port()
+  procs = []
+  for i in range(2):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
+               JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    procs.append(subprocess.Popen(_trainer_args(tmp, multi), cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=2 * TIMEOUT)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    assert p.returncode == 0, f"process {i}:\n{log[-4000:]}"
+  assert "2 processes" in logs[0]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  p = subprocess.run(_trainer_args(tmp, single), cwd=ROOT, env=env, capture_output=True,
+                     text=True, timeout=2 * TIMEOUT)
+  assert p.returncode == 0, p.stderr[-4000:]
+
+  assert sorted(os.listdir(os.path.join(multi, "ckpt"))) == ["1", "2"]
+  with open(os.path.join(multi, "metrics.jsonl")) as f:
+    assert [json.loads(line)["step"] for line in f] == [1, 2]  # one writer
+  got = load_file(os.path.join(multi, "hf", "model.safetensors"))
+  want = load_file(os.path.join(single, "hf", "model.safetensors"))
+  assert sorted(got) == sorted(want)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ numbers: one tiny model, one fixed batch, AdamW updates, on whatever mesh it is 
 1e-8: with eps << |g| one step moves every weight by ~lr * sign(g), so a gradient entry at
 rounding level (different reduction orders on different meshes) would flip a whole lr step.
 """
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ from trm_jax.models.decoder import make_test_model
 from trm_jax.rl import optim
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, P, N = 8, 6, 10  # sequences, prompt length, response length; T = P + N
 MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
              head_dim=8, vocab_size=64)
@@ -110,7 +113,7 @@ def test_batch_is_split_over_data_and_fsdp():
 
 
 def test_mesh_from_config_fills_minus_one_and_names_bad_keys():
-  c = config_lib.load_config("configs/tiny_trm.py")
+  c = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py"))
   assert dict(train.make_mesh(c).shape) == {"data": 8, "fsdp": 1, "tensor": 1}
   c.mesh.fsdp, c.mesh.tensor = 2, 2
   assert dict(train.make_mesh(c).shape) == {"data": 2, "fsdp": 2, "tensor": 2}

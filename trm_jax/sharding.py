@@ -234,14 +234,17 @@ def put_batch(tree, mesh: Mesh, rules: Optional[Rules] = None):
 
   Each process provides only its addressable shards (`make_array_from_callback`), so the same
   call builds global arrays in a multi-process run, given every process holds the same host
-  data. Device arrays already laid out differently are resharded by `device_put`.
+  data. Device arrays laid out differently are resharded by a jitted identity.
   """
   def one(x):
     if x is None:
       return None
     sharding = batch_sharding(mesh, x.shape, rules)
     if isinstance(x, jax.Array):
-      return jax.device_put(x, sharding)
+      if x.sharding == sharding:
+        return x
+      # jit, not device_put: device_put cannot target devices of other processes.
+      return jax.jit(lambda a: a, out_shardings=sharding)(x)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
   return jax.tree.map(one, tree)

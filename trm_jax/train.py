@@ -221,6 +221,25 @@ def oom_hints(stage: str):
         "\n  ".join(OOM_KNOBS) + f"\n(XLA: {str(e).splitlines()[0]})") from e
 
 
+def wait_for_base_model(c: ml_collections.ConfigDict, timeout_s: float = 3 * 3600) -> str:
+  """Processes other than 0 wait for process 0's warm-up base model on the shared filesystem.
+
+  Not a device barrier: CPU (gloo) collectives time out long before a warm-up ends. The base
+  model is published atomically (warmup.py), so `is_current` never sees half a checkpoint.
+  """
+  if c.model.path:
+    return c.model.path
+  out = os.path.expanduser(c.warmup.cache_dir)
+  t0 = time.time()
+  while not warmup.is_current(out, c):
+    if time.time() - t0 > timeout_s:
+      raise TimeoutError(f"process {jax.process_index()}: no base model at {out} "
+                         f"(warmup.cache_dir) after {timeout_s:.0f}s; it must be on a "
+                         "filesystem all processes share")
+    time.sleep(1.0)
+  return out
+
+
 def init_learner_state(model: nnx.Module, tx, mesh: jax.sharding.Mesh):
   """Splits a (sharded) model and creates its optimizer state on `mesh`.
 
@@ -249,12 +268,8 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
   mesh = make_mesh(c)
   log.info("mesh %s over %d devices, %d processes", dict(mesh.shape), mesh.size,
            jax.process_count())
-  # Process 0 builds the warm-up base model if it is missing; the others then find it cached.
-  if jax.process_index() == 0:
-    warmup.ensure_base_model(c, log=log.info)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("trm_jax.train: base model ready")
-  base = warmup.ensure_base_model(c, log=log.info)
+  base = (warmup.ensure_base_model(c, log=log.info) if jax.process_index() == 0 else
+          wait_for_base_model(c))
   model = from_pretrained(base, dtype=_dtype(c.model.dtype, "model.dtype"), remat=c.model.remat,
                           mesh=mesh)
   tok = load_tokenizer(base)
@@ -274,8 +289,10 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
                             clip_norm=o.clip_norm, min_lr_ratio=o.min_lr_ratio)
   graphdef, params, rest, opt_state, state_sh = init_learner_state(model, tx, mesh)
   score, update = make_learner(graphdef, tx, lcfg, response_start=P, state_shardings=state_sh)
-  # Replicated on the mesh: orbax saves global arrays only (multi-process).
-  rng = jax.device_put(jax.random.key(c.seed), NamedSharding(mesh, PartitionSpec()))
+  # Replicated on the mesh: orbax saves global arrays only (multi-process); made under jit
+  # because device_put cannot reach other processes' devices.
+  rng = jax.jit(lambda: jax.random.key(c.seed),
+                out_shardings=NamedSharding(mesh, PartitionSpec()))()
 
   # --- Resume -------------------------------------------------------------------------------
   ckpt = Checkpointer(os.path.join(workdir, "ckpt"), save_every=c.ckpt_every,
@@ -307,9 +324,9 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
     data_pos += n_prompts
     # (2) rollout (pi_roll: sampler dtype, noise, cache)
     sampler = nnx.merge(graphdef, params, rest)
-    prompt_tokens, prompt_lengths = shd.put_batch((pb.tokens, pb.lengths), mesh)
+    # Lengths stay on the host: the sampler checks them there (and a [B] vector is cheap).
     with oom_hints("rollout"):
-      ro = generate(sampler, prompt_tokens, prompt_lengths, max_new_tokens=N, key=k_roll, temperature=c.rollout.temperature,
+      ro = generate(sampler, shd.put_batch(pb.tokens, mesh), pb.lengths, max_new_tokens=N, key=k_roll, temperature=c.rollout.temperature,
                   top_p=c.rollout.top_p, top_k=c.rollout.top_k, cache=cache,
                     keep_full_logprobs=c.rollout.keep_full_logprobs,
                     keep_topk_logprobs=c.rollout.keep_topk_logprobs,
@@ -408,8 +425,7 @@ def evaluate(c, graphdef, params, rest, task: Task, tok, mesh) -> dict:
   problems = task.eval_problems(c.eval_problems)
   k = c.eval_samples
   pb = task.prompts(problems, k)
-  tokens, lengths = shd.put_batch((pb.tokens, pb.lengths), mesh)
-  ro = generate(nnx.merge(graphdef, params, rest), tokens, lengths,
+  ro = generate(nnx.merge(graphdef, params, rest), shd.put_batch(pb.tokens, mesh), pb.lengths,
                 max_new_tokens=task.max_new_tokens,
                 key=jax.random.key(c.seed + 3), greedy=k == 1,
                 temperature=c.rollout.temperature, top_p=c.rollout.top_p)
