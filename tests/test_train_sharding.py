@@ -64,8 +64,9 @@ def learner_step(mesh, steps: int = 1):
   _, update = make_learner(graphdef, tx, cfg, response_start=P, state_shardings=state_sh)
   batch = shd.put_batch(host_batch(), mesh)
   aux = None
-  for _ in range(steps):
-    params, opt_state, aux = update(params, opt_state, rest, batch)
+  with jax.set_mesh(mesh):  # as in the trainer: activation constraints on
+    for _ in range(steps):
+      params, opt_state, aux = update(params, opt_state, rest, batch)
   return params, opt_state, aux, state_sh
 
 

@@ -22,11 +22,12 @@ Scale and faults:
   * Multi-process: `init_distributed()` (CLI) calls `jax.distributed.initialize` when
     JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID are set. Every process
     builds the same prompt batch from the shared data position and hands jax only its
-    addressable shards (`sharding.put_batch`); rewards are recomputed on every process from the
-    gathered completions (cheap, and it keeps the processes in step without another
-    collective). Checkpoints are written by all processes together (orbax); metrics, plots
-    and the HF export by process 0. The learner step across processes is what the tests cover
-    (tests/test_distributed.py); the full loop in several processes is not tested.
+    addressable shards (`sharding.put_batch`); rewards are computed on every process from the
+    gathered completions (redundant but cheap, and every process then holds the same
+    advantages without another collective). Process 0 builds the warm-up base model, the
+    others wait for it on the shared filesystem. Checkpoints are written by all processes
+    together (orbax); metrics, plots and the HF export by process 0. Tested with 2 processes
+    x 2 CPU devices against 1 process x 4 devices (tests/test_distributed.py).
   * Exact resume: everything the loop reads is in the checkpoint (params, AdamW state with
     its schedule count, the RNG key, the data position) or a pure function of (seed, step);
     a run killed at any point and resumed ends with bitwise identical parameters.
@@ -264,10 +265,18 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(c.to_json_best_effort(indent=2))
 
-  # --- Model, tokenizer, task -------------------------------------------------------------
   mesh = make_mesh(c)
   log.info("mesh %s over %d devices, %d processes", dict(mesh.shape), mesh.size,
            jax.process_count())
+  # Inside the mesh context the model's block-boundary activation constraints (residual
+  # stream over (data, fsdp), sharding.constrain) are live in the sampler and the learner.
+  with jax.set_mesh(mesh):
+    return _run(c, workdir, mesh, progress=progress)
+
+
+def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, *,
+         progress: bool) -> dict:
+  # --- Model, tokenizer, task -------------------------------------------------------------
   base = (warmup.ensure_base_model(c, log=log.info) if jax.process_index() == 0 else
           wait_for_base_model(c))
   model = from_pretrained(base, dtype=_dtype(c.model.dtype, "model.dtype"), remat=c.model.remat,
