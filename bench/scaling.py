@@ -15,7 +15,9 @@ per-device state shrinks like 1/n). The global batch is fixed (strong scaling).
 On a CPU the simulated devices share the host's cores: throughput there says how well the
 partitioned program keeps those cores busy (one device runs mostly single-threaded ops, so it
 can rise from 1 to 2 devices) and is noisy on a shared machine; the trend that transfers is the
-memory per device and the fact that every layout compiles and runs.
+memory per device and the fact that every layout compiles and runs. The step is compiled
+outside `jax.set_mesh`, i.e. without the decoder's block-boundary activation constraints that
+the trainer turns on: the layout inside the step is XLA's propagation from the inputs.
 
   python bench/scaling.py [--out bench/results/scaling.json] [--counts 1,2,4,8]
 """
@@ -42,23 +44,22 @@ def _worker(n: int, layout: str, steps: int) -> dict:
   from trm_jax import train  # pylint: disable=g-import-not-at-top
   from trm_jax.models.decoder import make_test_model  # pylint: disable=g-import-not-at-top
   from trm_jax.rl import optim  # pylint: disable=g-import-not-at-top
-  from trm_jax.rl.learner import (LearnerBatch, LearnerConfig,  # pylint: disable=g-import-not-at-top
-                                  make_learner)
+  from trm_jax.rl import learner  # pylint: disable=g-import-not-at-top
 
   mesh = shd.mesh_from_config({layout: -1}, jax.devices()[:n])
   model = shd.shard_model(make_test_model(seed=0, **MODEL), mesh)
   tx = optim.make_optimizer(lr=1e-4, warmup_steps=1, total_steps=100, weight_decay=0.0, b1=0.9,
                             b2=0.99, eps=1e-8, clip_norm=1.0, min_lr_ratio=0.1)
   graphdef, params, rest, opt_state, state_sh = train.init_learner_state(model, tx, mesh)
-  cfg = LearnerConfig(objective="trm_surrogate", loss_agg="seq-mean-token-mean",
-                      criteria=("k3_avg",), thresholds=(("delta_k3", 1.0),), chunk=16)
-  _, update = make_learner(graphdef, tx, cfg, response_start=P, state_shardings=state_sh)
+  cfg = learner.LearnerConfig(objective="trm_surrogate", loss_agg="seq-mean-token-mean",
+                              criteria=("k3_avg",), thresholds=(("delta_k3", 1.0),), chunk=16)
+  _, update = learner.make_learner(graphdef, tx, cfg, response_start=P, state_shardings=state_sh)
 
   rng = np.random.default_rng(0)
   T = P + N
   resp = np.broadcast_to(np.arange(T)[None] >= P, (B, T)).astype(np.float32)
   logp_roll = (-rng.uniform(0.5, 4.0, (B, T)) * resp).astype(np.float32)
-  batch = shd.put_batch(LearnerBatch(
+  batch = shd.put_batch(learner.LearnerBatch(
       tokens=rng.integers(3, MODEL["vocab_size"], (B, T)).astype(np.int32),
       segment_ids=np.ones((B, T), np.int32), response_mask=resp, logp_roll=logp_roll,
       advantages=rng.normal(size=B).astype(np.float32), logp_old=logp_roll,

@@ -2,10 +2,10 @@
 update, the mesh is built from `config.mesh` with errors naming the key, and out-of-memory
 errors name the knobs to lower.
 
-`learner_step` is also the worker of tests/test_distributed.py and of bench/scaling.py's
-numbers: one tiny model, one fixed batch, AdamW updates, on whatever mesh it is given. AdamW's eps is 1e-3 rather than
-1e-8: with eps << |g| one step moves every weight by ~lr * sign(g), so a gradient entry at
-rounding level (different reduction orders on different meshes) would flip a whole lr step.
+`learner_step` is also the worker of tests/test_distributed.py: one tiny model, one fixed
+batch, AdamW updates, on whatever mesh it is given. AdamW's eps is 1e-3 rather than 1e-8: with
+eps << |g| one step moves every weight by ~lr * sign(g), so a gradient entry at rounding level
+(different reduction orders on different meshes) would flip a whole lr step.
 """
 import os
 
@@ -30,7 +30,8 @@ MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, nu
 
 
 def host_batch(seed: int = 0) -> LearnerBatch:
-  """A fixed rollout batch (numpy): ragged responses, mixed-sign advantages, logp_roll off-policy."""
+  """A fixed rollout batch (numpy): ragged responses, mixed-sign advantages, off-policy
+  logp_roll."""
   rng = np.random.default_rng(seed)
   T = P + N
   tokens = rng.integers(3, MODEL["vocab_size"], (B, T)).astype(np.int32)

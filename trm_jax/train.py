@@ -335,8 +335,9 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, *,
     sampler = nnx.merge(graphdef, params, rest)
     # Lengths stay on the host: the sampler checks them there (and a [B] vector is cheap).
     with oom_hints("rollout"):
-      ro = generate(sampler, shd.put_batch(pb.tokens, mesh), pb.lengths, max_new_tokens=N, key=k_roll, temperature=c.rollout.temperature,
-                  top_p=c.rollout.top_p, top_k=c.rollout.top_k, cache=cache,
+      ro = generate(sampler, shd.put_batch(pb.tokens, mesh), pb.lengths, max_new_tokens=N,
+                    key=k_roll, temperature=c.rollout.temperature,
+                    top_p=c.rollout.top_p, top_k=c.rollout.top_k, cache=cache,
                     keep_full_logprobs=c.rollout.keep_full_logprobs,
                     keep_topk_logprobs=c.rollout.keep_topk_logprobs,
                     compute_dtype=roll_dtype, logit_noise=c.rollout.logit_noise,
