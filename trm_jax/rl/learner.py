@@ -58,6 +58,7 @@ class LearnerConfig:
   num_microbatches: int = 1
   chunk: int = 128                    # positions per vocabulary projection
   attn_impl: str = "auto"
+  temperature: float = 1.0            # the sampler's; pi_theta is scored at it (as verl does)
   length_edges: tuple = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
   def __post_init__(self):
@@ -96,7 +97,11 @@ def _forward(model, batch: LearnerBatch, cfg: LearnerConfig, *, with_teacher: bo
     teacher_h = jax.lax.stop_gradient(model.hidden_states(
         batch.tokens, visibility=Visibility(segment_ids=batch.segment_ids),
         attn_impl=cfg.attn_impl))
-  return token_terms(model.unembed, h, batch.tokens, batch.response_mask, teacher_h=teacher_h,
+  # pi_theta is the tempered policy, so at any sampling temperature an on-policy ratio is 1;
+  # top-k / top-p truncation is left to the rollout side and shows up as mismatch (TRM's job).
+  unembed = model.unembed if cfg.temperature == 1.0 else (
+      lambda x: model.unembed(x) / cfg.temperature)
+  return token_terms(unembed, h, batch.tokens, batch.response_mask, teacher_h=teacher_h,
                      roll_logp_full=batch.roll_logp_full, roll_topk_logp=batch.roll_topk_logp,
                      roll_topk_ids=batch.roll_topk_ids, chunk=cfg.chunk)
 
