@@ -17,7 +17,9 @@ Two measurements of `trm_jax.rl.learner.make_learner(...)`'s `update`, side by s
            interpreter: its numbers are XLA's buffers for the interpreter's loop over blocks,
            not Triton's. Any buffer of the optimised HLO with two dimensions >= T is listed
            under `quadratic_buffers`, so a [T, T] materialisation outside the kernel (in the
-           learner's own code) would be named there.
+           learner's own code) would be named there; `full_vocab_buffers` lists any buffer
+           holding logits for the whole sequence ([.., T, V]), which the chunked vocabulary
+           projection (`rl/token_terms.py`) exists to avoid.
   time     median wall time of one `update` call after warm-up, on this machine, reference
            attention (what CPU runs), for mode "off" (plain GRPO: one track), "smd" (masked
            track + dense teacher + full-vocabulary distillation) and "smd" with lam = 0
@@ -73,6 +75,17 @@ def _quadratic_buffers(hlo: str, T: int) -> list[str]:
   return sorted(out)
 
 
+def _full_vocab_buffers(hlo: str, T: int, V: int) -> list[str]:
+  """Distinct array shapes holding a whole sequence of logits: a dimension V and one of
+  T - 1 or more (the chunked projection should leave only [B, C, V] chunks)."""
+  out = set()
+  for dt, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]+)\]", hlo):
+    d = [int(x) for x in dims.split(",") if x]
+    if V in d and any(x >= T - 1 and x != V for x in d):
+      out.add(f"{dt}[{','.join(map(str, d))}]")
+  return sorted(out)
+
+
 def measure_memory(T: int, *, B: int, chunk: int) -> dict:
   abstract = nnx.eval_shape(lambda: make_test_model(**MEM_MODEL))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
@@ -89,13 +102,16 @@ def measure_memory(T: int, *, B: int, chunk: int) -> dict:
       t0 = time.perf_counter()
       compiled = update.lower(params, opt_state, rest, batch).compile()
       mem = compiled.memory_analysis()
+      hlo = compiled.as_text()
       row[name] = {"temp_bytes": int(mem.temp_size_in_bytes),
                    "argument_bytes": int(mem.argument_size_in_bytes),
                    "output_bytes": int(mem.output_size_in_bytes),
                    "compile_s": round(time.perf_counter() - t0, 2),
-                   "quadratic_buffers": _quadratic_buffers(compiled.as_text(), T)}
+                   "quadratic_buffers": _quadratic_buffers(hlo, T),
+                   "full_vocab_buffers": _full_vocab_buffers(hlo, T, cfg.vocab_size)}
       print(f"T={T:5d} {name:17s} temp {mem.temp_size_in_bytes / 2**20:9.2f} MiB  "
-            f"quadratic {row[name]['quadratic_buffers'][:3]}", flush=True)
+            f"quadratic {row[name]['quadratic_buffers'][:3]} "
+            f"[T, V] {row[name]['full_vocab_buffers'][:3]}", flush=True)
   row["one_NxTxT_f32_bytes"] = B * cfg.num_heads * T * T * 4
   row["one_BxTxV_f32_bytes"] = B * T * cfg.vocab_size * 4
   return row
@@ -189,9 +205,9 @@ def main(argv=None):
       r["kernel_shadow"]["temp_bytes"], r["kernel_causal"]["temp_bytes"])
   summary[f"reference_shadow_over_kernel_shadow_T{hi}"] = ratio(
       r["reference_shadow"]["temp_bytes"], r["kernel_shadow"]["temp_bytes"])
-  summary["kernel_quadratic_buffers"] = sorted({
-      s for row in rows for n in ("kernel_shadow", "kernel_causal")
-      for s in row[n]["quadratic_buffers"]})
+  for key in ("quadratic_buffers", "full_vocab_buffers"):
+    summary[f"kernel_{key}"] = sorted({
+        s for row in rows for n in ("kernel_shadow", "kernel_causal") for s in row[n][key]})
 
   timing = measure_time(B=args.time_batch, T=time_T, chunk=args.chunk, repeats=repeats,
                         warmup=warmup)
