@@ -15,13 +15,13 @@ def get_config(arg=None):
   del arg
   c = ml_collections.ConfigDict()
   c.seed = 0                       # RL prompts use stream `seed`; warm-up data `seed + 1`
-  c.total_steps = 60               # RL steps (rollout batch + update)
+  c.total_steps = 150              # RL steps (rollout batch + update)
   c.log_every = 1                  # console / TensorBoard / metrics.jsonl cadence
   c.eval_every = 0                 # greedy evaluation cadence (0 = only at the end)
   c.eval_problems = 64             # held-out problems for the final evaluation
   c.eval_samples = 1               # 1 = greedy accuracy; k > 1 = avg@k and pass@k at rollout
                                    #   temperature / top-p
-  c.ckpt_every = 20                # orbax checkpoint cadence (steps)
+  c.ckpt_every = 50                # orbax checkpoint cadence (steps)
   c.keep_ckpts = 2                 # checkpoints kept
   c.export_hf = True               # write the final policy as an HF checkpoint (workdir/hf)
 
@@ -75,7 +75,7 @@ def get_config(arg=None):
   c.rl.num_epochs = 1
   c.rl.num_microbatches = 1        # gradient accumulation inside a minibatch
   c.rl.objective = "trm_surrogate"  # trm_surrogate | ppo_clip | tis | token_mask
-  c.rl.loss_agg = "seq-mean-token-mean"
+  c.rl.loss_agg = "seq-mean-token-sum"  # the TRM surrogate E[M A sum_t rho_t]
   c.rl.normalize_std = True        # GRPO std normalisation (False: Dr.GRPO-style)
   c.rl.baseline = "all"            # group baseline over all rollouts or only TRM-kept ones
   c.rl.clip_eps_low = 0.2          # ppo_clip
@@ -88,7 +88,7 @@ def get_config(arg=None):
   # TRM
   c.trm = ml_collections.ConfigDict()
   c.trm.criteria = ("trm_max_kl",)  # ANDed; see trm_jax/trm/masking.py for the list
-  c.trm.delta = 0.05               # TRM-max KL threshold
+  c.trm.delta = 0.02               # TRM-max KL threshold
   c.trm.eps = 0.15                 # TRM-max TV threshold
   c.trm.delta_avg = 0.01           # TRM-avg
   c.trm.delta_k2 = 0.05
@@ -104,7 +104,7 @@ def get_config(arg=None):
 
   # Optimizer
   c.optim = ml_collections.ConfigDict()
-  c.optim.lr = 1e-4
+  c.optim.lr = 3e-5
   c.optim.warmup_steps = 5
   c.optim.min_lr_ratio = 0.1
   c.optim.weight_decay = 0.0
