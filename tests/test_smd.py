@@ -1,7 +1,7 @@
 """Shadow Mask Distillation through the learner (issue 5 acceptance).
 
 One set of compressed-cache rollouts (SnapKV, H2O, recent, random at 50% and 70% compression,
-prompts of mixed lengths, tiny fp32 model, temperature 1) drives every test:
+prompts of mixed lengths, tiny fp32 model, temperature 0.9) drives every test:
 
   * the learner's masked track (`score` in mode "smd") reproduces the rollout's log-probs to
     1e-5, so the importance ratio is 1 to rounding; also through the Pallas kernel (interpret);
@@ -13,8 +13,8 @@ prompts of mixed lengths, tiny fp32 model, temperature 1) drives every test:
   * naive mode scores with dense visibility; Sparse-RL mode reports its wasted fraction.
 
 Runtime (~100 s CPU, ~45 s of it the eight sampler compiles the acceptance matrix needs): the
-rollouts are generated once per module and each learner
-variant is compiled once and reused across the 8 rollout settings.
+rollouts are generated once per module and each learner variant is compiled once and reused
+across the 8 rollout settings.
 """
 import functools
 import math
@@ -35,6 +35,7 @@ from trm_jax.rollout import CacheConfig, generate
 P, N = 16, 12
 LENS = np.array([16, 9, 5, 12], np.int32)
 KEY = jax.random.key(7)
+TEMPERATURE = 0.9          # sampler and learner (LearnerConfig.temperature) alike
 CHUNK = 8                  # several vocabulary-projection chunks over T - 1 = 27 positions
 SHARPEN = 3.0
 # One TRM threshold for SMD and naive. SMD's exact per-token KL is rounding (~1e-6); naive
@@ -98,12 +99,12 @@ def _batch(ro) -> LearnerBatch:
 
 @pytest.fixture(scope="module")
 def rollouts(model, prompts):
-  """(policy, ratio) -> (Rollout, LearnerBatch), sampled at temperature 1 (the learner scores
-  the untempered policy)."""
+  """(policy, ratio) -> (Rollout, LearnerBatch), sampled at TEMPERATURE."""
   out = {}
   for name, ratio in SETTINGS:
     ro = generate(model, prompts, LENS, max_new_tokens=N, key=KEY, eos_ids=(),
-                  cache=CacheConfig(ratio=ratio, **POLICIES[name]), keep_full_logprobs=True)
+                  temperature=TEMPERATURE, cache=CacheConfig(ratio=ratio, **POLICIES[name]),
+                  keep_full_logprobs=True)
     out[name, ratio] = (ro, _batch(ro))
   return out
 
@@ -116,20 +117,21 @@ def scorer(split):
   @functools.lru_cache(maxsize=None)
   def build(mode, attn_impl="reference", g=None):
     cfg = LearnerConfig(mode=mode, criteria=("trm_max_kl",), thresholds=(("delta", DELTA),),
-                        chunk=CHUNK, attn_impl=attn_impl)
+                        chunk=CHUNK, attn_impl=attn_impl, temperature=TEMPERATURE)
     return make_learner(g or graphdef, optax.sgd(0.0), cfg, response_start=P)[0]
   return build
 
 
 @pytest.fixture(scope="module")
 def dense_forward(split):
-  """Independent teacher-forced log-softmax [B, T, V] (target-indexed), jitted once per
-  visibility structure."""
+  """Independent teacher-forced tempered log-softmax [B, T, V] (target-indexed), jitted once
+  per visibility structure."""
   graphdef, _, rest = split
 
   @jax.jit
   def run(params, tokens, vis):
-    logq = jax.nn.log_softmax(nnx.merge(graphdef, params, rest)(tokens, visibility=vis))
+    logits = nnx.merge(graphdef, params, rest)(tokens, visibility=vis)
+    logq = jax.nn.log_softmax(logits / TEMPERATURE)
     return jnp.pad(logq[:, :-1], ((0, 0), (1, 0), (0, 0)))
   return run
 
@@ -172,7 +174,8 @@ def test_masked_track_bf16(model, split, prompts, rollouts, scorer):
   g16 = nnx.split(nnx.eval_shape(lambda: Decoder(model.config.replace(dtype="bfloat16"),
                                                  rngs=nnx.Rngs(0))), nnx.Param, ...)[0]
   ro = generate(model, prompts, LENS, max_new_tokens=N, key=KEY, eos_ids=(),
-                cache=CacheConfig(ratio=0.5, **POLICIES["h2o"]), keep_full_logprobs=True,
+                temperature=TEMPERATURE, cache=CacheConfig(ratio=0.5, **POLICIES["h2o"]),
+                keep_full_logprobs=True,
                 compute_dtype=jnp.bfloat16)
   logp, _, _, _ = scorer("smd", "reference", g16)(params, rest, _batch(ro))
   diff = _resp_max(logp - ro.logp, ro)
@@ -226,7 +229,7 @@ def test_distillation_gradient_stops_at_teacher(split, rollouts):
   lam = 0.5
   tx = _grad_capture()
   cfg = LearnerConfig(mode="smd", lam=lam, chunk=CHUNK, num_microbatches=2,
-                      attn_impl="reference")
+                      attn_impl="reference", temperature=TEMPERATURE)
   _, update = make_learner(graphdef, tx, cfg, response_start=P)
   # advantages = 0: the policy-gradient term has zero gradient, only distillation remains.
   batch = batch.replace(advantages=jnp.zeros_like(batch.advantages))
@@ -237,12 +240,14 @@ def test_distillation_gradient_stops_at_teacher(split, rollouts):
 
   def hand_loss(params, stop):
     m = nnx.merge(graphdef, params, rest)
-    student = jax.nn.log_softmax(m(ro.tokens, visibility=Visibility(ro.segment_ids,
-                                                                    ro.evicted_at)))
-    teacher = jax.nn.log_softmax(m(ro.tokens, visibility=Visibility(ro.segment_ids)))
+    shadow = Visibility(ro.segment_ids, ro.evicted_at)
+    student = jax.nn.log_softmax(m(ro.tokens, visibility=shadow) / TEMPERATURE)
+    teacher = jax.nn.log_softmax(m(ro.tokens, visibility=Visibility(ro.segment_ids))
+                                 / TEMPERATURE)
     if stop:
       teacher = jax.lax.stop_gradient(teacher)
-    # position t-1 predicts token t; KL over the full vocabulary, token mean.
+    # position t-1 predicts token t; KL of the tempered policies over the full vocabulary,
+    # token mean.
     kl = jnp.sum(jnp.exp(teacher) * (teacher - student), axis=-1)[:, :-1] * mask[:, 1:]
     return lam * jnp.sum(kl) / jnp.maximum(jnp.sum(mask), 1.0)
 
