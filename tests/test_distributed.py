@@ -128,8 +128,9 @@ def test_trainer_in_two_processes_matches_one_process(tmp_path):
     for p in procs:
       if p.poll() is None:
         p.kill()
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    assert p.returncode == 0, f"process {i}:\n{log[-4000:]}"
+  assert all(p.returncode == 0 for p in procs), "\n".join(
+      f"--- process {i} (exit {p.returncode}):\n{log[-3000:]}"
+      for i, (p, log) in enumerate(zip(procs, logs)))
   assert "2 processes" in logs[0]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu")

@@ -268,17 +268,18 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) ->
   mesh = make_mesh(c)
   log.info("mesh %s over %d devices, %d processes", dict(mesh.shape), mesh.size,
            jax.process_count())
+  # Outside the mesh context: the warm-up is a process-local job (its arrays are not global).
+  base = (warmup.ensure_base_model(c, log=log.info) if jax.process_index() == 0 else
+          wait_for_base_model(c))
   # Inside the mesh context the model's block-boundary activation constraints (residual
   # stream over (data, fsdp), sharding.constrain) are live in the sampler and the learner.
   with jax.set_mesh(mesh):
-    return _run(c, workdir, mesh, progress=progress)
+    return _run(c, workdir, mesh, base, progress=progress)
 
 
-def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, *,
+def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, base: str, *,
          progress: bool) -> dict:
   # --- Model, tokenizer, task -------------------------------------------------------------
-  base = (warmup.ensure_base_model(c, log=log.info) if jax.process_index() == 0 else
-          wait_for_base_model(c))
   model = from_pretrained(base, dtype=_dtype(c.model.dtype, "model.dtype"), remat=c.model.remat,
                           mesh=mesh)
   tok = load_tokenizer(base)
