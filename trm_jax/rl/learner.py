@@ -59,6 +59,7 @@ class LearnerConfig:
   chunk: int = 128                    # positions per vocabulary projection
   attn_impl: str = "auto"
   temperature: float = 1.0            # the sampler's; pi_theta is scored at it (as verl does)
+  kl_beta: float = 0.0                # k3 KL penalty to a frozen reference policy (0 = off)
   length_edges: tuple = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
   def __post_init__(self):
@@ -84,6 +85,7 @@ class LearnerBatch:
   roll_logp_full: Optional[jax.Array] = None  # [B, T, V] float32 (exact TRM divergences)
   roll_topk_logp: Optional[jax.Array] = None  # [B, T, k] float32 (top-k + tail lower bounds)
   roll_topk_ids: Optional[jax.Array] = None   # [B, T, k] int32
+  logp_ref: Optional[jax.Array] = None        # [B, T] float32 reference policy (kl_beta > 0)
 
 
 def _forward(model, batch: LearnerBatch, cfg: LearnerConfig, *, with_teacher: bool):
@@ -157,6 +159,9 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     return logp, weights, seq_mask, metrics
 
   def loss_fn(params, rest, mb: LearnerBatch, normalizer):
+    if cfg.kl_beta > 0 and mb.logp_ref is None:
+      raise ValueError("LearnerConfig.kl_beta > 0 needs LearnerBatch.logp_ref (score the batch "
+                       "with the reference parameters: score(ref_params, rest, batch)[0])")
     model = nnx.merge(graphdef, params, rest)
     terms = _forward(model, mb, cfg, with_teacher=distill)
     seq_mask, token_mask, _ = _trm_mask(cfg, jax.tree.map(jax.lax.stop_gradient, terms), mb)
@@ -167,7 +172,9 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         advantages=mb.advantages, response_mask=mb.response_mask, seq_mask=seq_mask,
         logp_old=mb.logp_old if cfg.objective == "ppo_clip" else None,
         token_weights=weights, loss_agg=cfg.loss_agg, normalizer=normalizer[0],
-        max_len=cfg.max_len, **dict(cfg.objective_kwargs))
+        max_len=cfg.max_len,
+        **({"logp_ref": mb.logp_ref, "kl_beta": cfg.kl_beta} if cfg.kl_beta > 0 else {}),
+        **dict(cfg.objective_kwargs))
     metrics = dict(metrics)
     has_response = (jnp.sum(mb.response_mask, axis=1) > 0).astype(jnp.float32)
     metrics["learner/kept_seqs"] = jnp.sum(seq_mask * has_response)
