@@ -84,6 +84,7 @@ def get_config(arg=None):
   c.rl.tis_cap = 2.0               # tis truncation C
   c.rl.token_mask_tau = 0.5        # token_mask |log rho| threshold
   c.rl.chunk = 64                  # positions per vocabulary projection in the learner
+  c.rl.kl_beta = 0.0               # k3 KL penalty to the frozen starting policy (0 = off)
 
   # TRM
   c.trm = ml_collections.ConfigDict()

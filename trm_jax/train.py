@@ -40,6 +40,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import sys
 import time
 from typing import Optional
@@ -80,7 +81,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PROGRESS_KEYS = ("reward", "trm/reject_rate", "trm/ppl_gap", "bound/unified")
 SUMMARY_KEYS = ("reward", "accuracy", "trm/reject_rate", "trm/ppl_gap", "bound/unified",
                 "smd/distill_kl", "sparse_rl/wasted_frac", "learner/entropy", "response_len",
-                "learner/skipped", "throughput/tokens_per_s")
+                "learner/skipped", "throughput/tokens_per_s", "memory/host_peak_rss_mb")
 
 
 # ------------------------------------------------------------------------------------------
@@ -104,7 +105,8 @@ def learner_config(c: ml_collections.ConfigDict, max_len: int) -> LearnerConfig:
                        max_len=max_len, criteria=criteria, thresholds=thresholds,
                        mode=c.smd.mode, lam=float(c.smd.lam),
                        num_microbatches=r.num_microbatches, chunk=r.chunk,
-                       attn_impl=c.model.attn_impl)
+                       attn_impl=c.model.attn_impl, temperature=float(c.rollout.temperature),
+                       kl_beta=float(c.rl.kl_beta))
 
 
 def cache_config(c: ml_collections.ConfigDict) -> CacheConfig:
@@ -157,6 +159,16 @@ def host(x: jax.Array) -> np.ndarray:
   if jax.process_count() == 1:
     return np.asarray(x)
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def memory_metrics() -> dict:
+  """Peak host RSS, and the accelerator's peak bytes where the backend reports them (GPU/TPU;
+  the CPU backend has no allocator statistics)."""
+  out = {"memory/host_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    out["memory/device_peak_mb"] = stats["peak_bytes_in_use"] / 2**20
+  return out
 
 
 def rewards_of(tok, rollout, problems, problem_ids, P: int) -> np.ndarray:
@@ -304,6 +316,9 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, ba
   rng = jax.jit(lambda: jax.random.key(c.seed),
                 out_shardings=NamedSharding(mesh, PartitionSpec()))()
 
+  # The reference policy of the optional k3 KL penalty: the starting policy, frozen.
+  ref_params = jax.tree.map(jnp.copy, params) if lcfg.kl_beta > 0 else None
+
   # --- Resume -------------------------------------------------------------------------------
   ckpt = Checkpointer(os.path.join(workdir, "ckpt"), save_every=c.ckpt_every,
                       keep=c.keep_ckpts)
@@ -363,6 +378,8 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, ba
     with oom_hints("learner score pass"):
       logp_old, weights, _, metrics = score(params, rest, batch)
     batch = batch.replace(logp_old=logp_old, token_weights=weights)
+    if ref_params is not None:
+      batch = batch.replace(logp_ref=score(ref_params, rest, batch)[0])
     if lcfg.mode == "sparse_rl":
       # Sparse-RL's weights already carry the dense/sparse correction: the surrogate's ratio
       # is then taken against the dense learner's own log-probs, not the sparse sampler's.
@@ -387,6 +404,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, ba
                     "rollout/cache_bytes": float(ro.stats.cache_bytes),
                     "time/rollout_s": t_roll, "time/step_s": time.time() - t0,
                     "throughput/tokens_per_s": n_tok / max(time.time() - t0, 1e-9)})
+    metrics.update(memory_metrics())
     if logger is not None:
       logger.log(step, metrics)
     ckpt.maybe_save(step, {"params": params, "opt_state": opt_state, "rng": rng},
