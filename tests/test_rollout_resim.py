@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 
 from trm_jax.kernels.visibility import NEVER_EVICTED, Visibility, visible_mask
+from prompt_fixtures import left_padded_prompts
 from trm_jax.models import make_test_model
 from trm_jax.models.decoder import default_positions
 from trm_jax.rollout import CacheConfig, SamplingConfig, generate, token_logprobs
@@ -48,11 +49,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def prompts():
-  rng = np.random.default_rng(0)
-  ids = np.zeros((len(LENS), P), np.int32)
-  for b, n in enumerate(LENS):
-    ids[b, P - n:] = rng.integers(3, 128, n)
-  return ids
+  return left_padded_prompts(LENS, P)
 
 
 @pytest.fixture(scope="module")

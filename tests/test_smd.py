@@ -27,6 +27,7 @@ import pytest
 from flax import nnx
 
 from trm_jax.kernels.visibility import NEVER_EVICTED, Visibility
+from prompt_fixtures import left_padded_prompts
 from trm_jax.models import make_test_model
 from trm_jax.models.decoder import Decoder
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
@@ -80,11 +81,7 @@ def split(model):
 
 @pytest.fixture(scope="module")
 def prompts():
-  rng = np.random.default_rng(0)
-  ids = np.zeros((len(LENS), P), np.int32)
-  for b, n in enumerate(LENS):
-    ids[b, P - n:] = rng.integers(3, 128, n)
-  return ids
+  return left_padded_prompts(LENS, P)
 
 
 def _batch(ro) -> LearnerBatch:
