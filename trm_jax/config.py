@@ -81,8 +81,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
            f"minibatch of {mb} sequences is not divisible by num_microbatches={r.num_microbatches}")
   _require(c.total_steps > 0, ["total_steps"], "must be positive")
   _require(0.0 <= c.smd.lam, ["smd.lam"], "distillation weight must be >= 0")
-  _require(c.smd.mode in ("off", "dense", "naive", "sparse_rl", "smd"), ["smd.mode"],
-           f"unknown mode {c.smd.mode!r}; expected off|dense|naive|sparse_rl|smd")
+  from trm_jax.rl.learner import MODES  # pylint: disable=g-import-not-at-top
+  _require(c.smd.mode in MODES, ["smd.mode"],
+           f"unknown mode {c.smd.mode!r}; expected {'|'.join(MODES)}")
   if c.smd.mode in ("naive", "sparse_rl", "smd"):
     _require(c.rollout.cache.policy != "none", ["smd.mode", "rollout.cache.policy"],
              f"smd.mode={c.smd.mode!r} needs a compressed rollout cache")
