@@ -436,8 +436,11 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, ba
       if os.path.exists(os.path.join(base, f)):
         with open(os.path.join(base, f), "rb") as src, open(os.path.join(out, f), "wb") as dst:
           dst.write(src.read())
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
+  # Atomic: summary.json marks the run as finished (the sweep runner skips finished cells).
+  tmp = os.path.join(workdir, "summary.json.tmp")
+  with open(tmp, "w") as f:
     json.dump(result, f, indent=2)
+  os.replace(tmp, os.path.join(workdir, "summary.json"))
   print(format_summary(s))
   if "eval" in result:
     print(f"eval on {c.eval_problems} held-out problems: " +

@@ -1,0 +1,417 @@
+r"""Batch experiments: a grid of config overrides, run as processes, resumable, one CSV.
+
+  python -m trm_jax.sweep --config configs/tiny_trm.py --workdir /tmp/sweep \
+      --grid optim.lr=1e-5,3e-5 --grid seed=0,1,2 --set total_steps=40 --parallel 2
+  python -m trm_jax.sweep --workdir /tmp/sweep --aggregate   # CSV + plots only
+
+Each cell is one `trm_jax.train.run` in its own process and its own workdir
+(`WORKDIR/cells/<name>`), so a crash in one cell loses nothing else and cells can run side by
+side. A cell is done when its `summary.json` exists; re-running the same command skips done
+cells and resumes unfinished ones from their last orbax checkpoint (the trainer's own resume).
+The plan (config + cells) is stored in `WORKDIR/sweep.json`; re-running with a different plan
+for an existing cell name is an error rather than a silent mix of two experiments.
+
+Cells share one persistent XLA compilation cache (`WORKDIR/jax_cache`), so cells that differ
+only in data (seeds) or in values that are arrays at run time compile once. The warm-up base
+model is built once, in this process, before any cell starts (parallel cells would otherwise
+race to build it).
+
+Aggregation writes `results.csv`: one row per cell with its overrides, status, the reward
+summary (first/last 10 % means), the held-out evaluation, and the mean over steps and final
+value of every logged metric. `plot_grouped` draws curves averaged over seeds.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from trm_jax import config as config_lib
+from trm_jax.metrics import read_metrics, rolling_mean
+
+PLAN = "sweep.json"
+RESULTS = "results.csv"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  """One run of the grid: a name (its directory) and the config overrides that define it."""
+  name: str
+  overrides: tuple  # ((dotted key, value), ...), in the order they are applied
+
+
+def _fmt(v: Any) -> str:
+  if isinstance(v, (tuple, list)):
+    return "+".join(_fmt(x) for x in v) or "none"
+  return str(v)
+
+
+def _slug(label: str) -> str:
+  s = re.sub(r"[^A-Za-z0-9_.,=+-]+", "_", label)
+  if len(s) <= 80:
+    return s
+  return s[:70] + "-" + hashlib.sha1(label.encode()).hexdigest()[:8]
+
+
+def axis(key: str, values: Iterable[Any]) -> list[tuple[str, dict]]:
+  """One grid axis over a single config key: [(label, {key: value}), ...]."""
+  return [(f"{key.split('.')[-1]}={_fmt(v)}", {key: v}) for v in values]
+
+
+def product(*axes: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Cell]:
+  """The cartesian product of axes; an axis is a list of (label, overrides) variants.
+
+  A variant may set several keys at once (a "method" = objective + criteria), which a plain
+  key=values axis cannot express. Later axes override earlier ones on shared keys.
+  """
+  cells = []
+  for combo in itertools.product(*axes):
+    label = ",".join(lbl for lbl, _ in combo if lbl) or "base"
+    ov = {}
+    for _, o in combo:
+      ov.update(o)
+    cells.append(Cell(_slug(label), tuple(ov.items())))
+  names = [c.name for c in cells]
+  dup = {n for n in names if names.count(n) > 1}
+  if dup:
+    raise ValueError(f"two grid cells would share the directory name(s) {sorted(dup)}; "
+                     "give the variants distinct labels")
+  return cells
+
+
+def parse_grid_arg(arg: str) -> list[tuple[str, dict]]:
+  """`key=v1,v2,...` (each value a Python literal, else a string) or `key=[literal, ...]`."""
+  key, sep, vals = arg.partition("=")
+  if not sep or not key:
+    raise config_lib.ConfigError(f"--grid {arg!r}: expected key=v1,v2,...")
+  if vals.strip().startswith("["):
+    values = list(ast.literal_eval(vals))
+  else:
+    values = [_literal(v) for v in vals.split(",")]
+  return axis(key, values)
+
+
+def _literal(s: str) -> Any:
+  try:
+    return ast.literal_eval(s)
+  except (ValueError, SyntaxError):
+    return s
+
+
+def apply_overrides(c, overrides: Iterable[tuple[str, Any]]):
+  """Sets dotted keys on a ConfigDict (in place); unknown keys and wrong types name the key."""
+  keys = set(config_lib.all_keys(c))
+  for key, value in overrides:
+    if key not in keys:
+      raise config_lib.ConfigError(f"sweep override: unknown config key '{key}'")
+    *parents, leaf = key.split(".")
+    node = c
+    for p in parents:
+      node = node[p]
+    if isinstance(node[leaf], tuple) and isinstance(value, list):
+      value = tuple(value)
+    try:
+      node[leaf] = value
+    except (TypeError, ValueError) as e:
+      raise config_lib.ConfigError(f"sweep override {key}={value!r}: {e}") from e
+  return c
+
+
+def cell_config(spec: str, overrides: Iterable[tuple[str, Any]]):
+  c = apply_overrides(config_lib.load_config(spec), overrides)
+  config_lib.validate(c)
+  return c
+
+
+# --- Running ------------------------------------------------------------------------------------
+
+def cell_dir(workdir: str, cell: Cell) -> str:
+  return os.path.join(workdir, "cells", cell.name)
+
+
+def is_done(workdir: str, cell: Cell) -> bool:
+  path = os.path.join(cell_dir(workdir, cell), "summary.json")
+  try:
+    with open(path) as f:
+      json.load(f)
+    return True
+  except (OSError, ValueError):
+    return False
+
+
+def _write_json_atomic(path: str, obj) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)
+
+
+def _check_plan(workdir: str, spec: str, cells: Sequence[Cell]) -> None:
+  """Merges `cells` into WORKDIR/sweep.json; a cell name already planned differently fails."""
+  path = os.path.join(workdir, PLAN)
+  new = {c.name: [list(kv) for kv in c.overrides] for c in cells}
+  plan = {"config": spec, "cells": {}}
+  if os.path.exists(path):
+    with open(path) as f:
+      plan = json.load(f)
+    if plan["config"] != spec:
+      raise config_lib.ConfigError(
+          f"{path} was planned with --config {plan['config']!r}, not {spec!r}; use another "
+          "--workdir")
+  for name, ov in new.items():
+    old = plan["cells"].get(name)
+    if old is not None and json.dumps(old) != json.dumps(ov):
+      raise config_lib.ConfigError(
+          f"cell {name!r} in {path} has overrides {old}, this sweep gives {ov}")
+    plan["cells"][name] = ov
+  _write_json_atomic(path, plan)
+
+
+def load_plan(workdir: str) -> tuple[str, list[Cell]]:
+  with open(os.path.join(workdir, PLAN)) as f:
+    plan = json.load(f)
+  return plan["config"], [Cell(n, tuple(tuple(kv) for kv in ov))
+                          for n, ov in plan["cells"].items()]
+
+
+def _env(workdir: str, threads: Optional[int]) -> dict:
+  env = dict(os.environ)
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax_cache"))
+  env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+  if threads:
+    # Parallel cells on a few cores: one XLA intra-op pool each instead of all fighting.
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        f" --xla_cpu_multi_thread_eigen=false"
+                        f" intra_op_parallelism_threads={threads}").strip()
+  return env
+
+
+def _launch(spec: str, cell: Cell, workdir: str, env: dict) -> subprocess.Popen:
+  d = cell_dir(workdir, cell)
+  os.makedirs(d, exist_ok=True)
+  _write_json_atomic(os.path.join(d, "cell.json"),
+                     {"config": spec, "overrides": [list(kv) for kv in cell.overrides]})
+  log = open(os.path.join(d, "log.txt"), "a")
+  return subprocess.Popen([sys.executable, "-m", "trm_jax.sweep", "--run-cell", d],
+                          stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _ensure_base_models(spec: str, cells: Sequence[Cell]) -> None:
+  from trm_jax import warmup  # jax import only when cells are actually run
+  seen = set()
+  for cell in cells:
+    c = cell_config(spec, cell.overrides)
+    key = json.dumps([c.model.path, c.warmup.to_dict(), c.model.arch.to_dict(),
+                      c.task.synthetic.to_dict()], sort_keys=True)
+    if key not in seen:
+      seen.add(key)
+      warmup.ensure_base_model(c, log=lambda m: print(m, flush=True))
+
+
+def run_sweep(spec: str, cells: Sequence[Cell], workdir: str, *, parallel: int = 1,
+              threads_per_cell: Optional[int] = None, log=print) -> list[dict]:
+  """Runs every cell not yet done, `parallel` at a time; returns the aggregated rows.
+
+  Cells are validated (keys, types, cross-field checks) before anything runs. A failed cell
+  is reported in its row (`status=failed`, log in its directory); the others still run.
+  """
+  if parallel < 1:
+    raise ValueError(f"parallel={parallel}; must be >= 1")
+  for cell in cells:
+    cell_config(spec, cell.overrides)   # fail fast on a bad key or value
+  os.makedirs(workdir, exist_ok=True)
+  _check_plan(workdir, spec, cells)
+  todo = [c for c in cells if not is_done(workdir, c)]
+  log(f"[sweep] {len(cells)} cells, {len(cells) - len(todo)} done, {len(todo)} to run, "
+      f"{parallel} at a time")
+  if todo:
+    _ensure_base_models(spec, todo)
+  env = _env(workdir, threads_per_cell if parallel > 1 else None)
+  running: dict = {}
+  t0 = time.time()
+  while todo or running:
+    while todo and len(running) < parallel:
+      cell = todo.pop(0)
+      running[cell] = (_launch(spec, cell, workdir, env), time.time())
+    time.sleep(0.5)
+    for cell, (proc, started) in list(running.items()):
+      rc = proc.poll()
+      if rc is None:
+        continue
+      del running[cell]
+      status = "ok" if rc == 0 and is_done(workdir, cell) else f"failed (exit {rc})"
+      log(f"[sweep] {cell.name}: {status} in {time.time() - started:.0f}s "
+          f"(sweep {time.time() - t0:.0f}s)")
+  rows = aggregate(workdir)
+  return rows
+
+
+def _run_cell(d: str) -> None:
+  with open(os.path.join(d, "cell.json")) as f:
+    spec = json.load(f)
+  c = cell_config(spec["config"], [tuple(kv) for kv in spec["overrides"]])
+  from trm_jax import train
+  train.run(c, d, progress=False)
+
+
+# --- Aggregation -------------------------------------------------------------------------------
+
+def cell_row(workdir: str, cell: Cell) -> dict:
+  """One CSV row: overrides, status, reward summary, evaluation, mean/final of each metric."""
+  row = {"cell": cell.name}
+  row.update({k: _fmt(v) for k, v in cell.overrides})
+  d = cell_dir(workdir, cell)
+  if not is_done(workdir, cell):
+    row["status"] = "failed" if os.path.exists(os.path.join(d, "log.txt")) else "pending"
+    return row
+  with open(os.path.join(d, "summary.json")) as f:
+    summ = json.load(f)
+  row["status"] = "ok"
+  row["wall_s"] = summ.get("wall_s")
+  s = summ.get("summary", {})
+  for k in ("first_mean", "last_mean", "delta"):
+    row[f"reward/{k}"] = s.get(k)
+  for k, v in summ.get("eval", {}).items():
+    row[f"eval/{k}"] = v
+  records = read_metrics(os.path.join(d, "metrics.jsonl"))
+  keys = sorted({k for r in records for k in r if k not in ("step", "time")})
+  for k in keys:
+    vals = np.array([r[k] for r in records if isinstance(r.get(k), (int, float))], float)
+    vals = vals[np.isfinite(vals)]
+    row[f"mean/{k}"] = float(vals.mean()) if len(vals) else None
+    row[f"final/{k}"] = float(vals[-1]) if len(vals) else None
+  return row
+
+
+def aggregate(workdir: str, out_csv: Optional[str] = None) -> list[dict]:
+  """Writes WORKDIR/results.csv (atomically) from every planned cell; returns the rows."""
+  _, cells = load_plan(workdir)
+  rows = [cell_row(workdir, c) for c in cells]
+  cols = []
+  for r in rows:
+    cols += [k for k in r if k not in cols]
+  out_csv = out_csv or os.path.join(workdir, RESULTS)
+  tmp = out_csv + ".tmp"
+  with open(tmp, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=cols)
+    w.writeheader()
+    w.writerows(rows)
+  os.replace(tmp, out_csv)
+  return rows
+
+
+def curves(workdir: str, cell: Cell, key: str) -> tuple[np.ndarray, np.ndarray]:
+  """(steps, values) of one metric of one cell; NaN where a step did not log it."""
+  records = read_metrics(os.path.join(cell_dir(workdir, cell), "metrics.jsonl"))
+  steps = np.array([r["step"] for r in records])
+  vals = np.array([r.get(key) if r.get(key) is not None else np.nan for r in records], float)
+  return steps, vals
+
+
+def group_cells(cells: Sequence[Cell], over: str = "seed") -> dict[str, list[Cell]]:
+  """Groups cells that differ only in the `over` key (e.g. seeds of one method)."""
+  # Keys every cell sets to the same value say nothing about the groups: leave them out.
+  values: dict[str, set] = {}
+  for cell in cells:
+    for k, v in cell.overrides:
+      values.setdefault(k, set()).add(_fmt(v))
+  shown = {k for k, vs in values.items() if len(vs) > 1 and k != over}
+  groups: dict[str, list[Cell]] = {}
+  for cell in cells:
+    label = ",".join(f"{k.split('.')[-1]}={_fmt(v)}" for k, v in cell.overrides if k in shown)
+    groups.setdefault(label or "all", []).append(cell)
+  return groups
+
+
+def plot_grouped(workdir: str, keys: Sequence[str], out_png: str, *,
+                 groups: Optional[Mapping[str, Sequence[Cell]]] = None,
+                 window: int = 5) -> None:
+  """One panel per metric; per group the seed-mean rolling curve with a min-max band."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  if groups is None:
+    _, cells = load_plan(workdir)
+    groups = group_cells([c for c in cells if is_done(workdir, c)])
+  fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6), squeeze=False)
+  for ax, key in zip(axes[0], keys):
+    for label, members in groups.items():
+      series = [curves(workdir, c, key) for c in members if is_done(workdir, c)]
+      if not series:
+        continue
+      n = min(len(s) for s, _ in series)
+      ys = np.stack([rolling_mean(v[:n], window) for _, v in series])
+      with np.errstate(all="ignore"):
+        mean = np.nanmean(ys, axis=0)
+      x = series[0][0][:n]
+      line, = ax.plot(x, mean, lw=1.6, label=label)
+      if len(series) > 1:
+        ax.fill_between(x, np.nanmin(ys, 0), np.nanmax(ys, 0), color=line.get_color(),
+                        alpha=0.15)
+    ax.set_title(key)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+  fig.savefig(out_png, dpi=100)
+  plt.close(fig)
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m trm_jax.sweep", description=__doc__.split("\n")[0])
+  p.add_argument("--config", help="experiment config file (path[:arg])")
+  p.add_argument("--workdir", required=False)
+  p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                 help="one grid axis; repeat for a product")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=V",
+                 help="an override applied to every cell")
+  p.add_argument("--parallel", type=int, default=1, help="cells run at once")
+  p.add_argument("--threads-per-cell", type=int, default=None,
+                 help="XLA CPU threads per cell when --parallel > 1")
+  p.add_argument("--aggregate", action="store_true", help="only rewrite results.csv + plots")
+  p.add_argument("--plot", default="reward,trm/reject_rate,trm/ppl_gap",
+                 help="comma-separated metrics for WORKDIR/curves.png")
+  p.add_argument("--run-cell", help=argparse.SUPPRESS)
+  a = p.parse_args(argv)
+  if a.run_cell:
+    _run_cell(a.run_cell)
+    return 0
+  if not a.workdir:
+    p.error("--workdir is required")
+  try:
+    if not a.aggregate:
+      if not a.config:
+        p.error("--config is required to run a sweep")
+      fixed = [("", {k: _literal(v) for k, _, v in (s.partition("=") for s in a.set)})]
+      cells = product(fixed, *[parse_grid_arg(g) for g in a.grid])
+      run_sweep(a.config, cells, a.workdir, parallel=a.parallel,
+                threads_per_cell=a.threads_per_cell)
+    rows = aggregate(a.workdir)
+  except config_lib.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  plot_grouped(a.workdir, a.plot.split(","), os.path.join(a.workdir, "curves.png"))
+  bad = [r["cell"] for r in rows if r["status"] != "ok"]
+  print(f"[sweep] wrote {os.path.join(a.workdir, RESULTS)} ({len(rows)} rows)"
+        + (f"; not ok: {bad}" if bad else ""))
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
