@@ -11,7 +11,7 @@
 Sizes reach the notebooks through TRM_NB_* environment variables, which the kernel inherits.
 The kernel runs this interpreter (a kernelspec written into a tmp JUPYTER_PATH), so it imports
 the trm_jax under test whatever kernelspecs the machine has. Runtime on 2 loaded CPU cores:
-bounds ~10 s, shadow_mask ~35 s, quickstart ~60 s (marked slow).
+bounds ~7 s per setting, shadow_mask ~35 s, quickstart ~60 s (marked slow); the file ~105 s.
 """
 import importlib.util
 import json
