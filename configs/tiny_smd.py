@@ -2,8 +2,9 @@ r"""Shadow Mask Distillation on the synthetic task, on CPU: 50% H2O-compressed r
 
   python -m trm_jax.train --config configs/tiny_smd.py --workdir /tmp/smd_tiny
 
-Same base model and task as `tiny_trm.py`; the rollout keeps a KV cache with half the keys of
-each sequence (H2O: heavy hitters + recent window, evicting while decoding) and records
+The task is `tiny_trm.py`'s with filler spaces in the prompt (see below); the rollout keeps a
+KV cache with half the keys of each sequence (H2O: heavy hitters + recent window, evicting
+while decoding) and records
 `evicted_at`; the learner replays it as attention visibility (pi_shadow == pi_sparse exactly)
 and distils from the dense stop-gradient teacher with lambda = 0.1 (SMD seed, Sec. 2).
 Switch `smd.mode` to naive | sparse_rl to run the seed's baselines on the same rollouts, or
@@ -21,6 +22,11 @@ def get_config(arg=None):
   # The SMD comparison is about the KV cache, not about dtype or noise mismatch.
   c.rollout.dtype = "float32"
   c.rollout.logit_noise = 0.0
+  # Two spaces around each operator: filler the cache policy can evict. Without it a 50 %
+  # budget must drop operands and the tiny model's compressed rollouts all score 0, which
+  # leaves GRPO no signal to compare the learners by. Its own base model (task differs).
+  c.task.synthetic.filler = 2
+  c.warmup.cache_dir = "~/.cache/trm_jax/tiny_filler_base"
   c.rollout.cache.policy = "h2o"
   c.rollout.cache.ratio = 0.5
   c.smd.mode = "smd"

@@ -50,7 +50,7 @@ def get_config(arg=None):
   c.task.eval_path = ""            # held-out file (file-based tasks)
   c.task.synthetic = ml_collections.ConfigDict(dict(
       min_operands=2, max_operands=6, min_value=1, max_value=19, allow_subtraction=False,
-      show_every=1, answer_format="####"))
+      show_every=1, answer_format="####", filler=0))
   c.task.max_prompt_len = 0        # 0 = derived from the synthetic task
   c.task.max_new_tokens = 0        # 0 = derived from the synthetic task
 

@@ -18,6 +18,8 @@ CONFIGS = [
     SyntheticConfig(min_operands=3, max_operands=12, max_value=99, allow_subtraction=True),
     SyntheticConfig(max_operands=7, show_every=3, answer_format="boxed"),
     SyntheticConfig(show_every=0, min_value=0, max_value=20),
+    SyntheticConfig(max_operands=6, max_value=19, filler=2),
+    SyntheticConfig(max_operands=5, max_value=99, allow_subtraction=True, filler=1),
 ]
 
 
@@ -33,7 +35,7 @@ def _apply(a, op, b):
 def _eval_expr(expr):
   """Left-to-right +/- evaluation, independent of the generator's code."""
   import re  # pylint: disable=g-import-not-at-top
-  parts = re.findall(r"[+-]?\d+", expr)
+  parts = re.findall(r"[+-]?\d+", expr.replace(" ", ""))
   return sum(int(p) for p in parts)
 
 
@@ -73,6 +75,17 @@ def test_token_bounds(tok, config):
   for p in problem_batch(config, 5, 0, 100):
     assert len(tok.apply_chat_template(p.messages(), tokenize=True)) <= worst_prompt
     assert len(tok.encode(p.solution)) + 1 <= max_completion_tokens(config)
+
+
+def test_filler_only_spaces_the_prompt():
+  plain, spaced = SyntheticConfig(max_value=19), SyntheticConfig(max_value=19, filler=3)
+  for i in range(20):
+    a, b = problem_at(plain, 1, i), problem_at(spaced, 1, i)
+    assert b.prompt.replace(" ", "") == a.prompt and (b.solution, b.answer) == (a.solution,
+                                                                                  a.answer)
+    assert b.prompt.count(" ") == 6 * a.prompt.count("+")
+  with pytest.raises(ValueError, match="filler"):
+    SyntheticConfig(filler=-1)
 
 
 def test_deterministic_by_seed_and_index():

@@ -18,7 +18,10 @@ compounds over the horizon, which is what RL can improve in minutes.
 
 Knobs (`SyntheticConfig`): operand count (the horizon), value range (digits, hence carries),
 subtraction, `show_every` (operands folded per written step; 0 = answer only, no worked
-solution), and the answer format (`#### N` or `\\boxed{N}`, both read by `math_reward`).
+solution), the answer format (`#### N` or `\\boxed{N}`, both read by `math_reward`), and
+`filler` (spaces around each operator in the prompt). Filler gives a KV-cache policy tokens it
+can drop without losing the problem: at 50 % compression a filler-free prompt loses operands
+and a tiny model scores 0, so the SMD experiments use filler = 2.
 
 Determinism: `problem_at(config, seed, index)` is a pure function of its arguments (numpy
 `SeedSequence([seed, index])`), so a data position is one integer: checkpoint `index` and resume
@@ -62,6 +65,8 @@ class SyntheticConfig:
   allow_subtraction: bool = False  # draw each operator from {+, -} instead of {+}
   show_every: int = 1              # operands folded per written step; 0 = answer line only
   answer_format: str = "####"      # "####" -> "#### N"; "boxed" -> "\boxed{N}"
+  filler: int = 0                  # spaces around each operator in the prompt: tokens a
+                                   #   KV-cache policy can evict without losing the problem
 
   def __post_init__(self):
     if self.min_operands < 2:
@@ -74,6 +79,8 @@ class SyntheticConfig:
                        f"{self.min_value}, {self.max_value}")
     if self.show_every < 0:
       raise ValueError(f"SyntheticConfig.show_every must be >= 0, got {self.show_every}")
+    if self.filler < 0:
+      raise ValueError(f"SyntheticConfig.filler must be >= 0, got {self.filler}")
     if self.answer_format not in ("####", "boxed"):
       raise ValueError(f"SyntheticConfig.answer_format must be '####' or 'boxed', got "
                        f"{self.answer_format!r}")
@@ -85,7 +92,8 @@ def _answer_line(config: SyntheticConfig, value: int) -> str:
 
 def format_problem(config: SyntheticConfig, operands: list[int], ops: list[str]) -> Problem:
   """The problem with these operands and operators (ops[i] joins operands[i] and [i+1])."""
-  prompt = str(operands[0]) + "".join(o + str(x) for o, x in zip(ops, operands[1:]))
+  pad = " " * config.filler
+  prompt = str(operands[0]) + "".join(pad + o + pad + str(x) for o, x in zip(ops, operands[1:]))
   acc, lines, i = operands[0], [], 1
   n = len(operands)
   while config.show_every and i < n:
@@ -146,7 +154,8 @@ def max_completion_chars(config: SyntheticConfig) -> int:
 
 def max_prompt_chars(config: SyntheticConfig) -> int:
   """Exact maximum of len(problem.prompt): max_operands widest operands and their operators."""
-  return config.max_operands * (len(str(config.max_value)) + 1) - 1
+  return config.max_operands * (len(str(config.max_value)) + 1 + 2 * config.filler) - 1 \
+      - 2 * config.filler
 
 
 def max_prompt_tokens(config: SyntheticConfig, tokenizer: Tokenizer) -> int:
