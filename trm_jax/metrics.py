@@ -217,9 +217,8 @@ def plot_curves(metrics_jsonl_path: str, out_png: str,
   `window` defaults to 5% of the logged steps (at least 1). Returns the keys plotted; keys the
   file does not have are skipped, and if it has none of them the error lists what it has.
   """
-  import matplotlib
-  matplotlib.use("Agg")  # Headless: no display on a training machine.
-  import matplotlib.pyplot as plt
+  # A bare Figure (Agg canvas) leaves pyplot's backend alone: notebooks keep inline plots.
+  from matplotlib.figure import Figure
 
   records = read_metrics(metrics_jsonl_path)
   present = [k for k in keys if any(k in r for r in records)]
@@ -229,7 +228,8 @@ def plot_curves(metrics_jsonl_path: str, out_png: str,
                      f"{available}")
   ncols = min(3, len(present))
   nrows = math.ceil(len(present) / ncols)
-  fig, axes = plt.subplots(nrows, ncols, figsize=(4.5 * ncols, 3.2 * nrows), squeeze=False)
+  fig = Figure(figsize=(4.5 * ncols, 3.2 * nrows))
+  axes = fig.subplots(nrows, ncols, squeeze=False)
   for ax, key in zip(axes.flat, present):
     steps, values = _series(records, key)
     w = window or max(1, len(values) // 20)
@@ -244,7 +244,6 @@ def plot_curves(metrics_jsonl_path: str, out_png: str,
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
   fig.savefig(out_png, dpi=100)
-  plt.close(fig)
   return present
 
 

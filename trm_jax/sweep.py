@@ -340,13 +340,13 @@ def plot_grouped(workdir: str, keys: Sequence[str], out_png: str, *,
                  groups: Optional[Mapping[str, Sequence[Cell]]] = None,
                  window: int = 5) -> None:
   """One panel per metric; per group the seed-mean rolling curve with a min-max band."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  # A bare Figure (Agg canvas) leaves pyplot's backend alone: notebooks keep inline plots.
+  from matplotlib.figure import Figure
   if groups is None:
     _, cells = load_plan(workdir)
     groups = group_cells([c for c in cells if is_done(workdir, c)])
-  fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6), squeeze=False)
+  fig = Figure(figsize=(5 * len(keys), 3.6))
+  axes = fig.subplots(1, len(keys), squeeze=False)
   for ax, key in zip(axes[0], keys):
     for label, members in groups.items():
       series = [curves(workdir, c, key) for c in members if is_done(workdir, c)]
@@ -368,7 +368,6 @@ def plot_grouped(workdir: str, keys: Sequence[str], out_png: str, *,
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
   fig.savefig(out_png, dpi=100)
-  plt.close(fig)
 
 
 # --- CLI ---------------------------------------------------------------------------------------
