@@ -1,0 +1,92 @@
+"""Shared reporting for the experiment scripts: seed statistics and markdown tables.
+
+The experiments run their grids with `trm_jax.sweep` and read back `results.csv`-style rows
+(dicts of strings/floats). These helpers turn rows grouped by a method label into the
+mean +- std (over seeds) cells of a markdown table, and read per-step metrics of a cell.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+
+def as_float(v) -> float:
+  """A CSV cell as a float; empty / missing / non-numeric -> NaN."""
+  try:
+    return float(v)
+  except (TypeError, ValueError):
+    return math.nan
+
+
+def seed_stats(rows: Iterable[Mapping], key: str) -> tuple[float, float, int]:
+  """(mean, std, n) of `key` over rows with a finite value (std = 0 for n = 1)."""
+  vals = np.array([as_float(r.get(key)) for r in rows], float)
+  vals = vals[np.isfinite(vals)]
+  if not len(vals):
+    return math.nan, math.nan, 0
+  return float(vals.mean()), float(vals.std(ddof=1) if len(vals) > 1 else 0.0), len(vals)
+
+
+def fmt_stat(mean: float, std: float, n: int, digits: int = 3) -> str:
+  if n == 0 or not math.isfinite(mean):
+    return "n/a"
+  return f"{mean:.{digits}f}" if n == 1 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+  lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def weighted_bucket_rates(records: Sequence[Mapping], prefix: str = "trm/reject_rate/len_"
+                          ) -> dict[str, tuple[float, float]]:
+  """Per length bucket: (rejection rate pooled over all steps, sequences seen).
+
+  The trainer logs, per step, each bucket's rate and its `/count`; pooling weights each step by
+  its count, so a bucket that is rarely populated does not swing the estimate.
+  """
+  out: dict[str, list[float]] = {}
+  for r in records:
+    for k, v in r.items():
+      if k.startswith(prefix) and not k.endswith("/count") and v is not None:
+        n = r.get(k + "/count") or 0
+        acc = out.setdefault(k[len(prefix):], [0.0, 0.0])
+        acc[0] += float(v) * n
+        acc[1] += n
+  return {b: (rej / n if n else math.nan, n) for b, (rej, n) in out.items()}
+
+
+def bucket_order(name: str) -> int:
+  lo = name.split("_")[0]
+  return int(lo) if lo.isdigit() else 1 << 30
+
+
+def write_text(path: str, text: str) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def first_last_mean(values: np.ndarray, frac: float = 0.1) -> tuple[float, float]:
+  """Means of the first and last `frac` of the finite values (at least one each)."""
+  v = values[np.isfinite(values)]
+  if not len(v):
+    return math.nan, math.nan
+  k = max(1, int(math.ceil(len(v) * frac)))
+  return float(v[:k].mean()), float(v[-k:].mean())
+
+
+def pick(rows: Sequence[Mapping], **match) -> list[Mapping]:
+  """Rows whose columns equal every `match` value (compared as strings)."""
+  return [r for r in rows if all(str(r.get(k)) == str(v) for k, v in match.items())]
+
+
+def optional_float(v) -> Optional[float]:
+  f = as_float(v)
+  return f if math.isfinite(f) else None
