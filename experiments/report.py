@@ -6,6 +6,7 @@ mean +- std (over seeds) cells of a markdown table, and read per-step metrics of
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Iterable, Mapping, Optional, Sequence
@@ -85,6 +86,44 @@ def first_last_mean(values: np.ndarray, frac: float = 0.1) -> tuple[float, float
 def pick(rows: Sequence[Mapping], **match) -> list[Mapping]:
   """Rows whose columns equal every `match` value (compared as strings)."""
   return [r for r in rows if all(str(r.get(k)) == str(v) for k, v in match.items())]
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+  """mean(a) - mean(b) with its standard error (Welch: independent groups of replicates)."""
+  mean_a: float
+  mean_b: float
+  se: float
+  n_a: int
+  n_b: int
+
+  @property
+  def diff(self) -> float:
+    return self.mean_a - self.mean_b
+
+  def verdict(self, direction: str) -> str:
+    """'yes' / 'no (opposite)' / 'not resolved' for the claim that a is `direction` than b,
+    at two standard errors."""
+    if not (math.isfinite(self.diff) and math.isfinite(self.se)):
+      return "not measurable (too few runs)"
+    sign = 1.0 if direction == "higher" else -1.0
+    margin = f"difference {self.diff:+.4f}, 2 s.e. {2 * self.se:.4f}"
+    if sign * self.diff > 2 * self.se:
+      return f"yes ({margin})"
+    if sign * self.diff < -2 * self.se:
+      return f"no, the opposite ({margin})"
+    return f"not resolved at this size ({margin})"
+
+
+def compare(a: Sequence[float], b: Sequence[float]) -> Difference:
+  """Difference of means of two groups of replicates; se is NaN with < 2 values in a group."""
+  a = np.array(a, float)
+  b = np.array(b, float)
+  a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+  var = lambda x: x.var(ddof=1) / len(x) if len(x) > 1 else math.nan
+  return Difference(float(a.mean()) if len(a) else math.nan,
+                    float(b.mean()) if len(b) else math.nan,
+                    float(math.sqrt(var(a) + var(b))), len(a), len(b))
 
 
 def optional_float(v) -> Optional[float]:

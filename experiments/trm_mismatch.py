@@ -30,7 +30,6 @@ import json
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -103,33 +102,38 @@ def _ms(vals) -> str:
 
 
 def claims(stats: dict) -> list[str]:
-  """Each claim of the paper, checked on these runs; the numbers that decide it."""
+  """Each claim of the paper, checked on these runs; the numbers that decide it.
+
+  A difference counts only when it exceeds two standard errors of the difference (runs
+  pooled per group, seeds as replicates); otherwise the claim is "not resolved at this size".
+  """
   lines = []
-  mean = lambda m, k: float(np.nanmean(stats[m][k])) if m in stats and stats[m][k] else math.nan
   tok = [m for m in TOKEN_LEVEL if m in stats]
   trm = [m for m in stats if m not in TOKEN_LEVEL]
+  runs = lambda ms, f: [f(stats[m], i) for m in ms for i in range(len(stats[m]["reward_last"]))]
   if tok and trm:
-    tok_gain = np.nanmean([mean(m, "reward_last") - mean(m, "reward_first") for m in tok])
-    trm_gain = np.nanmean([mean(m, "reward_last") - mean(m, "reward_first") for m in trm])
-    verdict = "holds" if trm_gain > tok_gain else "does not hold"
-    lines.append(f"- Training: reward change (last - first 10 % of steps) averaged over the "
-                 f"token-level methods {tok_gain:+.3f}, over the TRM variants {trm_gain:+.3f}. "
-                 f"'TRM keeps improving where token-level methods degrade' {verdict} here.")
-    tok_gap = np.nanmean([mean(m, "abs_gap_last") for m in tok])
-    trm_gap = np.nanmean([mean(m, "abs_gap_last") for m in trm])
-    verdict = "holds" if trm_gap < tok_gap else "does not hold"
-    lines.append(f"- PPL gap: |Delta_PPL| over the last 10 % of steps, token-level "
-                 f"{tok_gap:.4f} vs TRM {trm_gap:.4f}. 'TRM keeps the gap smaller' {verdict}.")
-  for m in ("trm_max_kl", "ln_trm", "ser"):
+    gain = lambda s, i: s["reward_last"][i] - s["reward_first"][i]
+    d = report.compare(runs(trm, gain), runs(tok, gain))
+    lines.append(f"- Training: reward change (last - first 10 % of steps), TRM variants "
+                 f"{d.mean_a:+.3f} vs token-level {d.mean_b:+.3f} over {d.n_a} / {d.n_b} runs. "
+                 f"'TRM keeps improving where token-level methods degrade': "
+                 f"{d.verdict('higher')}.")
+    gap = lambda s, i: s["abs_gap_last"][i]
+    d = report.compare(runs(trm, gap), runs(tok, gap))
+    lines.append(f"- PPL gap: |Delta_PPL| over the last 10 % of steps, TRM {d.mean_a:.4f} vs "
+                 f"token-level {d.mean_b:.4f}. 'TRM keeps the gap smaller': "
+                 f"{d.verdict('lower')}.")
+  for m in ("trm_max_kl", "trm_max_tv", "ln_trm", "ser"):
     if m not in stats or not stats[m]["buckets"]:
       continue
     b = stats[m]["buckets"]
     names = sorted(b, key=report.bucket_order)
     short, long_ = names[0], names[-1]
-    rs, rl = float(np.nanmean(b[short])), float(np.nanmean(b[long_]))
-    lines.append(f"- {m}: rejection {rs:.3f} for responses of {short.replace('_', '-')} tokens "
-                 f"vs {rl:.3f} for {long_.replace('_', '-')} tokens "
-                 f"({'more' if rl > rs else 'not more'} rejection of long responses).")
+    d = report.compare(b[long_], b[short])
+    lines.append(f"- {m}: rejection {d.mean_b:.3f} for responses of "
+                 f"{short.replace('_', '-')} tokens vs {d.mean_a:.3f} for "
+                 f"{long_.replace('_', '-')} tokens. Rejects long responses more: "
+                 f"{d.verdict('higher')}.")
   return lines
 
 
@@ -169,7 +173,8 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
       "# TRM under injected mismatch (MoE router jitter + bf16 rollout)",
       f"{len(stats)} methods x {n_seeds} seeds, {args.steps} RL steps each, router noise "
       f"{args.router_noise}, lr {args.lr}; config `configs/tiny_moe_mismatch.py`. "
-      f"Values are mean ± std over seeds. Wall time {wall_s / 60:.1f} min.",
+      f"Values are mean ± std over seeds. The runs took {wall_s / 60:.1f} min (first start to "
+      "last finish, 2 at a time; the one-off base-model warm-up is extra).",
       report.markdown_table(header, rows),
       "Rejection rate by response length (sequence-level methods; pooled over steps):",
       report.markdown_table(["method"] + [f"{b.replace('_', '-')} tokens" for b in names],
@@ -206,10 +211,9 @@ def main(argv=None) -> int:
            "ckpt_every": max(1, args.steps // 2)}
   fixed.update({k: sweep._literal(v) for k, _, v in (s.partition("=") for s in args.set)})
   cells, by_method = build_cells(methods, [int(s) for s in args.seeds.split(",")], fixed)
-  t0 = time.time()
   rows = sweep.run_sweep(CONFIG, cells, args.workdir, parallel=args.parallel,
                          threads_per_cell=1 if args.parallel > 1 else None)
-  wall = time.time() - t0
+  wall = sweep.span_seconds(args.workdir)
   os.makedirs(args.out, exist_ok=True)
   sweep.aggregate(args.workdir, os.path.join(args.out, "results.csv"))
   sweep.plot_grouped(args.workdir, CURVE_KEYS, os.path.join(args.out, "curves.png"),

@@ -269,6 +269,19 @@ def _run_cell(d: str) -> None:
 
 # --- Aggregation -------------------------------------------------------------------------------
 
+def span_seconds(workdir: str) -> float:
+  """First cell start to last cell finish (file times), so a re-aggregation reports the time
+  the runs took, not its own. Excludes the one-off base-model warm-up."""
+  _, cells = load_plan(workdir)
+  starts, ends = [], []
+  for c in cells:
+    d = cell_dir(workdir, c)
+    if is_done(workdir, c):
+      starts.append(os.path.getmtime(os.path.join(d, "cell.json")))
+      ends.append(os.path.getmtime(os.path.join(d, "summary.json")))
+  return max(ends) - min(starts) if ends else 0.0
+
+
 def cell_row(workdir: str, cell: Cell) -> dict:
   """One CSV row: overrides, status, reward summary, evaluation, mean/final of each metric."""
   row = {"cell": cell.name}
