@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import logging
 import os
 import re
 import subprocess
@@ -263,6 +264,9 @@ def _run_cell(d: str) -> None:
   with open(os.path.join(d, "cell.json")) as f:
     spec = json.load(f)
   c = cell_config(spec["config"], [tuple(kv) for kv in spec["overrides"]])
+  # As `python -m trm_jax.train` does: the trainer's progress (warm-up, resume) goes to the log.
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+  logging.getLogger("absl").setLevel(logging.WARNING)
   from trm_jax import train
   train.run(c, d, progress=False)
 
