@@ -449,23 +449,33 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, ba
 
 
 def evaluate(c, graphdef, params, rest, task: Task, tok, mesh) -> dict:
-  """Held-out evaluation with the dense cache in the learner dtype.
+  """Held-out evaluation in the learner dtype, with the dense cache and, when the rollouts
+  are compressed, also with the rollout's cache policy (keys prefixed `compressed_`).
 
   eval_samples == 1: greedy accuracy. k > 1: k samples per problem at the rollout temperature
-  and top-p -> avg@k and unbiased pass@k (Chen et al. 2021) for k in {1, k}.
+  and top-p -> avg@k and unbiased pass@k (Chen et al. 2021) for k in {1, k}. The compressed
+  figure is the one a KV-compressed deployment sees, which SMD trains for (the dense one is
+  what the dense learner baselines train for).
   """
   problems = task.eval_problems(c.eval_problems)
   k = c.eval_samples
   pb = task.prompts(problems, k)
-  ro = generate(nnx.merge(graphdef, params, rest), shd.put_batch(pb.tokens, mesh), pb.lengths,
-                max_new_tokens=task.max_new_tokens,
-                key=jax.random.key(c.seed + 3), greedy=k == 1,
-                temperature=c.rollout.temperature, top_p=c.rollout.top_p)
-  correct = rewards_of(tok, ro, problems, pb.problem_ids, task.max_prompt_len) > 0.5
-  if k == 1:
-    return {"greedy_accuracy": float(correct.mean())}
-  return {key: float(v) for key, v in
-          eval_summary(correct.reshape(len(problems), k), ks=(1, k)).items()}
+  caches = {"": CacheConfig()}
+  if c.rollout.cache.policy != "none":
+    caches["compressed_"] = cache_config(c)
+  out = {}
+  for prefix, cache in caches.items():
+    ro = generate(nnx.merge(graphdef, params, rest), shd.put_batch(pb.tokens, mesh), pb.lengths,
+                  max_new_tokens=task.max_new_tokens, key=jax.random.key(c.seed + 3),
+                  greedy=k == 1, temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+                  cache=cache)
+    correct = rewards_of(tok, ro, problems, pb.problem_ids, task.max_prompt_len) > 0.5
+    if k == 1:
+      out[prefix + "greedy_accuracy"] = float(correct.mean())
+    else:
+      out.update({prefix + key: float(v) for key, v in
+                  eval_summary(correct.reshape(len(problems), k), ks=(1, k)).items()})
+  return out
 
 
 def main(argv):
