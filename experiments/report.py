@@ -88,6 +88,9 @@ def pick(rows: Sequence[Mapping], **match) -> list[Mapping]:
   return [r for r in rows if all(str(r.get(k)) == str(v) for k, v in match.items())]
 
 
+MIN_REPLICATES = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Difference:
   """mean(a) - mean(b) with its standard error (Welch: independent groups of replicates)."""
@@ -104,8 +107,11 @@ class Difference:
   def verdict(self, direction: str) -> str:
     """'yes' / 'no (opposite)' / 'not resolved' for the claim that a is `direction` than b,
     at two standard errors."""
-    if not (math.isfinite(self.diff) and math.isfinite(self.se)):
-      return "not measurable (too few runs)"
+    if min(self.n_a, self.n_b) < MIN_REPLICATES or not (
+        math.isfinite(self.diff) and math.isfinite(self.se)):
+      # Two points give a standard error with one degree of freedom: no verdict on that.
+      return (f"not resolved: {min(self.n_a, self.n_b)} replicate(s), fewer than "
+              f"{MIN_REPLICATES} (difference {self.diff:+.4f})")
     sign = 1.0 if direction == "higher" else -1.0
     margin = f"difference {self.diff:+.4f}, 2 s.e. {2 * self.se:.4f}"
     if sign * self.diff > 2 * self.se:
@@ -124,6 +130,15 @@ def compare(a: Sequence[float], b: Sequence[float]) -> Difference:
   return Difference(float(a.mean()) if len(a) else math.nan,
                     float(b.mean()) if len(b) else math.nan,
                     float(math.sqrt(var(a) + var(b))), len(a), len(b))
+
+
+def paired(a: Sequence[float], b: Sequence[float]) -> Difference:
+  """Mean of a - b over matched replicates (same setting); se of that mean difference."""
+  a, b = np.array(a, float), np.array(b, float)
+  d = a - b
+  se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
+  return Difference(float(a.mean()) if len(a) else math.nan,
+                    float(b.mean()) if len(b) else math.nan, se, len(a), len(b))
 
 
 def optional_float(v) -> Optional[float]:

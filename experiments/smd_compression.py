@@ -110,8 +110,8 @@ def learner_memory(methods, fixed: dict) -> dict:
 
 def group_stats(workdir: str, cells) -> dict:
   keys = ("reward", "sparse_rl/wasted_frac", "trm/delta_hat", "smd/distill_kl")
-  out = {k: [] for k in ("reward_first", "reward_last", "eval", "wasted", "delta_hat",
-                         "distill_kl")}
+  out = {k: [] for k in ("reward_first", "reward_last", "eval", "eval_compressed", "wasted",
+                         "delta_hat", "distill_kl")}
   for c in cells:
     if not sweep.is_done(workdir, c):
       continue
@@ -123,7 +123,11 @@ def group_stats(workdir: str, cells) -> dict:
     out["reward_first"].append(rf)
     out["reward_last"].append(rl)
     with open(os.path.join(d, "summary.json")) as f:
-      out["eval"].append(json.load(f).get("eval", {}).get("greedy_accuracy", math.nan))
+      ev = json.load(f).get("eval", {})
+    out["eval"].append(ev.get("greedy_accuracy", math.nan))
+    # Dense runs have no compressed cache: their dense accuracy is the reference for both.
+    out["eval_compressed"].append(ev.get("compressed_greedy_accuracy",
+                                         ev.get("greedy_accuracy", math.nan)))
     for name, k in (("wasted", "sparse_rl/wasted_frac"), ("delta_hat", "trm/delta_hat"),
                     ("distill_kl", "smd/distill_kl")):
       v = s[k][np.isfinite(s[k])]
@@ -146,42 +150,51 @@ def _ms(vals) -> str:
 
 
 def claims(stats: dict, methods, lambdas) -> list[str]:
+  """The seed's claims, each decided by paired differences over (policy, ratio) settings.
+
+  With one seed per setting the settings are the replicates: a difference counts when its
+  mean over settings exceeds two standard errors; otherwise it is "not resolved".
+  """
   lines = []
-  sparse = [(p, r) for (m, p, r) in stats if m != "dense"]
-  settings = sorted(set(sparse))
+  settings = sorted({(p, r) for (m, p, r) in stats if m != "dense"})
   if not settings or ("dense", "none", 0.0) not in stats:
     return ["- (no compressed runs finished)"]
   dense = stats[("dense", "none", 0.0)]
+  val = lambda m, p, r, key: _m(stats[(m, p, r)][key]) if (m, p, r) in stats else math.nan
 
-  def avg(method, key):
-    return _m([_m(stats[(method, p, r)][key]) for p, r in settings if (method, p, r) in stats])
+  def paired(a: str, b: str, key: str, among=None) -> report.Difference:
+    pts = [(p, r) for p, r in (among or settings)
+           if math.isfinite(val(a, p, r, key)) and math.isfinite(val(b, p, r, key))]
+    return report.paired([val(a, p, r, key) for p, r in pts],
+                         [val(b, p, r, key) for p, r in pts])
 
-  for key, what in (("reward_last", "training reward on compressed rollouts, last 10 %"),
-                    ("eval", "held-out greedy accuracy, dense cache")):
-    per = {m: avg(m, key) for m in methods}
+  for key, what in (("reward_last", "training reward on the compressed rollouts, last 10 %"),
+                    ("eval_compressed", "held-out greedy accuracy after training, with the "
+                                        "rollout's compressed cache"),
+                    ("eval", "held-out greedy accuracy after training, dense cache")):
+    per = {m: _m([val(m, p, r, key) for p, r in settings]) for m in methods}
     lines.append(f"- {what}: dense {_m(dense[key]):.3f}; " +
                  ", ".join(f"{m} {v:.3f}" for m, v in per.items()) +
-                 " (mean over policies and ratios).")
-    smd, srl, nai = per.get("smd@0.1"), per.get("sparse_rl"), per.get("naive")
-    if smd is not None and srl is not None and nai is not None:
-      lines.append(
-          f"  SMD closer to dense than Sparse-RL: "
-          f"{'yes' if abs(smd - _m(dense[key])) < abs(srl - _m(dense[key])) else 'no'}; "
-          f"SMD above Sparse-RL: {'yes' if smd > srl else 'no'}; naive worst: "
-          f"{'yes' if nai < min(v for m, v in per.items() if m != 'naive') else 'no'}.")
+                 f" (mean over {len(settings)} policy x ratio settings).")
+    if {"smd@0.1", "sparse_rl", "naive"} <= set(methods):
+      lines.append(f"  - SMD above Sparse-RL: {paired('smd@0.1', 'sparse_rl', key).verdict('higher')}.")
+      lines.append(f"  - SMD above naive: {paired('smd@0.1', 'naive', key).verdict('higher')}.")
+      lines.append(f"  - Sparse-RL above naive: "
+                   f"{paired('sparse_rl', 'naive', key).verdict('higher')}.")
   lam_settings = [(p, r) for p, r in settings
                   if all((f"smd@{lam:g}", p, r) in stats for lam in lambdas)]
   if lam_settings and 0.1 in lambdas and 0.8 in lambdas:
-    for key in ("reward_last", "eval"):
-      v = {lam: _m([_m(stats[(f"smd@{lam:g}", p, r)][key]) for p, r in lam_settings])
-           for lam in lambdas}
-      lines.append(f"- lambda ({key}, over {', '.join(f'{p}@{r:g}' for p, r in lam_settings)}"
-                   f"): " + ", ".join(f"{lam:g} -> {x:.3f}" for lam, x in v.items()) +
-                   f"; 0.1 better than 0.8: {'yes' if v[0.1] > v[0.8] else 'no'}.")
-  wasted = avg("sparse_rl", "wasted")
+    names = ", ".join(f"{p} {r:.0%}" for p, r in lam_settings)
+    for key in ("reward_last", "eval_compressed", "eval"):
+      v = {lam: _m([val(f"smd@{lam:g}", p, r, key) for p, r in lam_settings]) for lam in lambdas}
+      lines.append(f"- lambda, {key} over {names}: " +
+                   ", ".join(f"{lam:g} -> {x:.3f}" for lam, x in v.items()) +
+                   f". 0.1 above 0.8: "
+                   f"{paired('smd@0.1', 'smd@0.8', key, lam_settings).verdict('higher')}.")
+  wasted = _m([val("sparse_rl", p, r, "wasted") for p, r in settings])
   if math.isfinite(wasted):
     lines.append(f"- Sparse-RL wasted {wasted:.3f} of its rollouts on average (vetoed or "
-                 "entirely outside the trust band); SMD and naive use all of them.")
+                 "entirely outside the trust band); SMD and naive train on all of them.")
   return lines
 
 
@@ -208,11 +221,14 @@ def write_summary(out: str, stats: dict, methods, lambdas, memory: dict, args,
   text = "\n\n".join([
       "# SMD under KV-cache compression",
       f"{len(stats)} settings x {n_seeds} seed(s), {args.steps} RL steps each, lr {args.lr}; "
-      f"config `configs/tiny_smd.py`, TRM masking off. The runs took {wall_s / 60:.1f} min "
-      "(first start to last finish, 2 at a time; the one-off base-model warm-up is extra).",
+      f"config `configs/tiny_smd.py`, TRM masking off. Training span {wall_s / 60:.1f} min "
+      "(first step to last step, 2 runs at a time; start-up, evaluation and the base-model "
+      "warm-up extra).",
       "## Training reward on the (compressed) rollouts, last 10 % of steps",
       table("reward_last"),
-      "## Held-out greedy accuracy after training (dense cache)",
+      "## Held-out greedy accuracy after training, with the rollout's compressed cache",
+      table("eval_compressed"),
+      "## Held-out greedy accuracy after training, dense cache",
       table("eval"),
       "## Residual mismatch: largest token KL(pi_roll || pi_theta) per batch, mean over steps",
       table("delta_hat"),

@@ -173,8 +173,8 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
       "# TRM under injected mismatch (MoE router jitter + bf16 rollout)",
       f"{len(stats)} methods x {n_seeds} seeds, {args.steps} RL steps each, router noise "
       f"{args.router_noise}, lr {args.lr}; config `configs/tiny_moe_mismatch.py`. "
-      f"Values are mean ± std over seeds. The runs took {wall_s / 60:.1f} min (first start to "
-      "last finish, 2 at a time; the one-off base-model warm-up is extra).",
+      f"Values are mean ± std over seeds. Training span {wall_s / 60:.1f} min (first step "
+      "to last step, 2 runs at a time; start-up, evaluation and the base-model warm-up extra).",
       report.markdown_table(header, rows),
       "Rejection rate by response length (sequence-level methods; pooled over steps):",
       report.markdown_table(["method"] + [f"{b.replace('_', '-')} tokens" for b in names],

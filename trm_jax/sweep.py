@@ -274,15 +274,18 @@ def _run_cell(d: str) -> None:
 # --- Aggregation -------------------------------------------------------------------------------
 
 def span_seconds(workdir: str) -> float:
-  """First cell start to last cell finish (file times), so a re-aggregation reports the time
-  the runs took, not its own. Excludes the one-off base-model warm-up."""
+  """Training span of the finished cells: first step's start to last step's end, from the
+  steps' own wall-clock stamps, so a later re-aggregation or re-evaluation does not count.
+  Excludes process start-up, the final evaluations and the one-off base-model warm-up."""
   _, cells = load_plan(workdir)
   starts, ends = [], []
   for c in cells:
-    d = cell_dir(workdir, c)
-    if is_done(workdir, c):
-      starts.append(os.path.getmtime(os.path.join(d, "cell.json")))
-      ends.append(os.path.getmtime(os.path.join(d, "summary.json")))
+    if not is_done(workdir, c):
+      continue
+    records = read_metrics(os.path.join(cell_dir(workdir, c), "metrics.jsonl"))
+    if records and "wall_time" in records[0]:
+      starts.append(records[0]["wall_time"] - (records[0].get("time/step_s") or 0.0))
+      ends.append(records[-1]["wall_time"])
   return max(ends) - min(starts) if ends else 0.0
 
 
