@@ -1,0 +1,112 @@
+"""The two experiment scripts end to end at a tiny size, and their report arithmetic.
+
+Each script runs as a real process (real warm-up, real trainer cells through the sweep runner)
+and must write results.csv, its plots and summary.md; the summary's numbers are recomputed
+here from the cells' own metrics.jsonl. The default sizes (which take up to 30 minutes) are run
+by hand and their outputs committed under experiments/results/.
+"""
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import report  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+pytestmark = pytest.mark.slow
+
+TINY = ["warmup.steps=10", "warmup.batch_size=16", "task.synthetic.max_operands=3",
+        "task.synthetic.max_value=9", "rl.group_size=4", "export_hf=False"]
+
+
+def _run(script, tmp, *args):
+  sets = [a for s in TINY + [f"warmup.cache_dir={tmp}/base"] for a in ("--set", s)]
+  p = subprocess.run([sys.executable, os.path.join("experiments", script),
+                      "--workdir", str(tmp / "w"), "--out", str(tmp / "out"), "--steps", "2",
+                      "--batch", "8", "--eval-problems", "4", "--parallel", "1", "--seeds", "0",
+                      *sets, *args],
+                     cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+  return p.stdout
+
+
+def _last_reward(tmp, cell):
+  with open(tmp / "w" / "cells" / cell / "metrics.jsonl") as f:
+    rewards = [json.loads(line)["reward"] for line in f]
+  return report.first_last_mean(np.array(rewards))[1]
+
+
+def test_trm_mismatch_end_to_end(tmp_path):
+  # One method keeps the suite short; the method table and claims code are the same for nine.
+  out = _run("trm_mismatch.py", tmp_path, "--methods", "trm_max_kl")
+  with open(tmp_path / "out" / "results.csv") as f:
+    rows = {r["cell"]: r for r in csv.DictReader(f)}
+  assert set(rows) == {"method=trm_max_kl,seed=0"}
+  assert rows["method=trm_max_kl,seed=0"]["rl.objective"] == "trm_surrogate"
+  assert rows["method=trm_max_kl,seed=0"]["trm.criteria"] == "trm_max_kl"
+  for f in ("curves.png", "reject_by_length.png"):
+    assert os.path.getsize(tmp_path / "out" / f) > 0
+  summary = (tmp_path / "out" / "summary.md").read_text()
+  assert summary in out
+  for m in ("trm_max_kl",):
+    line = next(l for l in summary.splitlines() if l.startswith(f"| {m} |"))
+    assert line.split(" | ")[2] == f"{_last_reward(tmp_path, f'method={m},seed=0'):.3f}"
+  assert "## The paper's claims on these runs" in summary
+
+
+def test_smd_compression_end_to_end(tmp_path):
+  _run("smd_compression.py", tmp_path, "--policies", "h2o", "--ratios", "0.5",
+       "--methods", "naive,smd@0.1", "--lambdas", "", "--skip-memory")
+  with open(tmp_path / "out" / "results.csv") as f:
+    rows = {r["cell"]: r for r in csv.DictReader(f)}
+  assert set(rows) == {"method=dense,seed=0", "method=naive,h2o_0.5,seed=0",
+                       "method=smd_0.1,h2o_0.5,seed=0"}
+  summary = (tmp_path / "out" / "summary.md").read_text()
+  section = summary.split("## Training reward")[1].split("##")[0]
+  smd = next(l for l in section.splitlines() if l.startswith("| smd@0.1 |"))
+  assert smd.split(" | ")[1].rstrip(" |") == f"{_last_reward(tmp_path, 'method=smd_0.1,h2o_0.5,seed=0'):.3f}"
+  # SMD replays the eviction record: its residual mismatch is rounding; naive's is not.
+  mism = summary.split("## Residual mismatch")[1].split("##")[0]
+  val = lambda m: float(next(l for l in mism.splitlines()
+                             if l.startswith(f"| {m} |")).split(" | ")[1].rstrip(" |"))
+  assert val("smd@0.1") < 1e-4 < val("naive")
+  # Compressed runs are also evaluated with their own cache policy (what SMD trains for).
+  with open(tmp_path / "w" / "cells" / "method=smd_0.1,h2o_0.5,seed=0" / "summary.json") as f:
+    ev = json.load(f)["eval"]
+  assert set(ev) == {"greedy_accuracy", "compressed_greedy_accuracy"}
+  comp = summary.split("with the rollout's compressed cache")[1].split("##")[0]
+  line = next(l for l in comp.splitlines() if l.startswith("| smd@0.1 |"))
+  assert line.split(" | ")[1].rstrip(" |") == f"{ev['compressed_greedy_accuracy']:.3f}"
+  # The memory table compiles five learners: measured at default size, skipped here.
+  assert "(skipped)" in summary.split("## Learner memory")[1].split("##")[0]
+
+
+def test_report_helpers():
+  recs = [{"trm/reject_rate/len_0_16": 0.5, "trm/reject_rate/len_0_16/count": 2,
+           "trm/reject_rate/len_16_32": 0.0, "trm/reject_rate/len_16_32/count": 0},
+          {"trm/reject_rate/len_0_16": 0.0, "trm/reject_rate/len_0_16/count": 6,
+           "trm/reject_rate/len_16_32": 1.0, "trm/reject_rate/len_16_32/count": 3}]
+  b = report.weighted_bucket_rates(recs)
+  assert b["0_16"] == (pytest.approx(1 / 8), 8) and b["16_32"] == (1.0, 3)
+  assert sorted(["16_32", "0_16", "4096_inf"], key=report.bucket_order) == [
+      "0_16", "16_32", "4096_inf"]
+  assert report.first_last_mean(np.array([1.0, np.nan] + [0.0] * 18 + [3.0])) == (0.5, 1.5)
+  m, s, n = report.seed_stats([{"x": "1"}, {"x": "3"}, {"x": ""}], "x")
+  assert (m, n) == (2.0, 2) and s == pytest.approx(math.sqrt(2))
+  assert report.fmt_stat(m, s, n) == "2.000 ± 1.414"
+  d = report.compare([0.5, 0.6, 0.7], [0.1, 0.2, 0.15])
+  assert d.diff == pytest.approx(0.45) and d.verdict("higher").startswith("yes")
+  assert d.verdict("lower").startswith("no, the opposite")
+  assert report.compare([0.5, 0.6, 0.7], [0.5, 0.7, 0.6]).verdict("higher").startswith(
+      "not resolved at this size")
+  assert report.paired([1.0, 2.0], [0.0, 1.0]).verdict("higher").startswith(
+      "not resolved: 2 replicate(s)")
+  p = report.paired([1.0, 2.0, 3.5], [0.5, 1.0, 3.0])
+  assert p.se == pytest.approx(np.std([0.5, 1.0, 0.5], ddof=1) / math.sqrt(3))
+  assert report.markdown_table(["a", "b"], [[1, 2]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
