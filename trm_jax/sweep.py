@@ -173,7 +173,9 @@ def _check_plan(workdir: str, spec: str, cells: Sequence[Cell]) -> None:
           "--workdir")
   for name, ov in new.items():
     old = plan["cells"].get(name)
-    if old is not None and json.dumps(old) != json.dumps(ov):
+    # Same overrides in any order (and tuples read back as lists) are the same cell.
+    if old is not None and (json.dumps(dict(old), sort_keys=True) !=
+                            json.dumps(dict(ov), sort_keys=True)):
       raise config_lib.ConfigError(
           f"cell {name!r} in {path} has overrides {old}, this sweep gives {ov}")
     plan["cells"][name] = ov
