@@ -141,6 +141,66 @@ def paired(a: Sequence[float], b: Sequence[float]) -> Difference:
                     float(b.mean()) if len(b) else math.nan, se, len(a), len(b))
 
 
+def finite_mean(vals) -> float:
+  """Mean of the finite values; NaN when there are none."""
+  v = np.array(vals, float)
+  v = v[np.isfinite(v)]
+  return float(v.mean()) if len(v) else math.nan
+
+
+def fmt_values(vals) -> str:
+  """'mean ± std' over the finite values (just the mean for one, 'n/a' for none)."""
+  v = np.array(vals, float)
+  v = v[np.isfinite(v)]
+  if not len(v):
+    return "n/a"
+  return fmt_stat(float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0, len(v))
+
+
+# --- The command line and run loop both experiment scripts share ------------------------------
+
+def add_run_args(p, name: str, *, seeds: str, batch: int, eval_problems: int) -> None:
+  """Flags every experiment has: size, learning rate, parallelism, directories, overrides."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  p.add_argument("--seeds", default=seeds)
+  p.add_argument("--steps", type=int, default=30)
+  p.add_argument("--batch", type=int, default=batch, help="rollouts per step (8 per prompt)")
+  p.add_argument("--lr", type=float, default=1e-4)
+  p.add_argument("--eval-problems", type=int, default=eval_problems)
+  p.add_argument("--parallel", type=int, default=2)
+  p.add_argument("--workdir", default=os.path.join(repo, "experiments", "out", name))
+  p.add_argument("--out", default=os.path.join(repo, "experiments", "results", name))
+  p.add_argument("--set", action="append", default=[], metavar="KEY=V",
+                 help="extra config override for every run (e.g. warmup.cache_dir=...)")
+
+
+def fixed_overrides(args, **extra) -> dict:
+  """The overrides every cell shares: the size flags, `extra`, then each --set KEY=V."""
+  from trm_jax import sweep  # pylint: disable=g-import-not-at-top
+  fixed = {"total_steps": args.steps, "rl.batch_size": args.batch, "optim.lr": args.lr,
+           "eval_problems": args.eval_problems, "ckpt_every": max(1, args.steps // 2),
+           **extra}
+  fixed.update({k: sweep._literal(v) for k, _, v in (s.partition("=") for s in args.set)})
+  return fixed
+
+
+def run_grid(config: str, cells, args) -> list[dict]:
+  """Runs (or resumes) the cells, then writes OUT/results.csv; returns the rows."""
+  from trm_jax import sweep  # pylint: disable=g-import-not-at-top
+  rows = sweep.run_sweep(config, cells, args.workdir, parallel=args.parallel,
+                         threads_per_cell=1 if args.parallel > 1 else None)
+  os.makedirs(args.out, exist_ok=True)
+  sweep.aggregate(args.workdir, os.path.join(args.out, "results.csv"))
+  return rows
+
+
+def exit_code(rows, workdir: str) -> int:
+  bad = [r["cell"] for r in rows if r["status"] != "ok"]
+  if bad:
+    print(f"runs that did not finish: {bad} (logs in {workdir}/cells/*/log.txt)")
+  return 1 if bad else 0
+
+
 def optional_float(v) -> Optional[float]:
   f = as_float(v)
   return f if math.isfinite(f) else None

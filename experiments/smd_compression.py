@@ -135,20 +135,6 @@ def group_stats(workdir: str, cells) -> dict:
   return out
 
 
-def _m(vals) -> float:
-  v = np.array(vals, float)
-  v = v[np.isfinite(v)]
-  return float(v.mean()) if len(v) else math.nan
-
-
-def _ms(vals) -> str:
-  v = np.array(vals, float)
-  v = v[np.isfinite(v)]
-  if not len(v):
-    return "n/a"
-  return report.fmt_stat(float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0, len(v))
-
-
 def claims(stats: dict, methods, lambdas) -> list[str]:
   """The seed's claims, each decided by paired differences over (policy, ratio) settings.
 
@@ -160,7 +146,7 @@ def claims(stats: dict, methods, lambdas) -> list[str]:
   if not settings or ("dense", "none", 0.0) not in stats:
     return ["- (no compressed runs finished)"]
   dense = stats[("dense", "none", 0.0)]
-  val = lambda m, p, r, key: _m(stats[(m, p, r)][key]) if (m, p, r) in stats else math.nan
+  val = lambda m, p, r, key: report.finite_mean(stats[(m, p, r)][key]) if (m, p, r) in stats else math.nan
 
   def paired(a: str, b: str, key: str, among=None) -> report.Difference:
     pts = [(p, r) for p, r in (among or settings)
@@ -172,8 +158,8 @@ def claims(stats: dict, methods, lambdas) -> list[str]:
                     ("eval_compressed", "held-out greedy accuracy after training, with the "
                                         "rollout's compressed cache"),
                     ("eval", "held-out greedy accuracy after training, dense cache")):
-    per = {m: _m([val(m, p, r, key) for p, r in settings]) for m in methods}
-    lines.append(f"- {what}: dense {_m(dense[key]):.3f}; " +
+    per = {m: report.finite_mean([val(m, p, r, key) for p, r in settings]) for m in methods}
+    lines.append(f"- {what}: dense {report.finite_mean(dense[key]):.3f}; " +
                  ", ".join(f"{m} {v:.3f}" for m, v in per.items()) +
                  f" (mean over {len(settings)} policy x ratio settings).")
     if {"smd@0.1", "sparse_rl", "naive"} <= set(methods):
@@ -186,12 +172,12 @@ def claims(stats: dict, methods, lambdas) -> list[str]:
   if lam_settings and 0.1 in lambdas and 0.8 in lambdas:
     names = ", ".join(f"{p} {r:.0%}" for p, r in lam_settings)
     for key in ("reward_last", "eval_compressed", "eval"):
-      v = {lam: _m([val(f"smd@{lam:g}", p, r, key) for p, r in lam_settings]) for lam in lambdas}
+      v = {lam: report.finite_mean([val(f"smd@{lam:g}", p, r, key) for p, r in lam_settings]) for lam in lambdas}
       lines.append(f"- lambda, {key} over {names}: " +
                    ", ".join(f"{lam:g} -> {x:.3f}" for lam, x in v.items()) +
                    f". 0.1 above 0.8: "
                    f"{paired('smd@0.1', 'smd@0.8', key, lam_settings).verdict('higher')}.")
-  wasted = _m([val("sparse_rl", p, r, "wasted") for p, r in settings])
+  wasted = report.finite_mean([val("sparse_rl", p, r, "wasted") for p, r in settings])
   if math.isfinite(wasted):
     lines.append(f"- Sparse-RL wasted {wasted:.3f} of its rollouts on average (vetoed or "
                  "entirely outside the trust band); SMD and naive train on all of them.")
@@ -209,10 +195,10 @@ def write_summary(out: str, stats: dict, methods, lambdas, memory: dict, args,
     rows = []
     for m in all_methods:
       if m == "dense":
-        rows.append(["dense (no compression)"] + [_ms(dense[key]) if dense else "n/a"] *
+        rows.append(["dense (no compression)"] + [report.fmt_values(dense[key]) if dense else "n/a"] *
                     len(settings))
       else:
-        rows.append([m] + [_ms(stats[(m, p, r)][key]) if (m, p, r) in stats else "-"
+        rows.append([m] + [report.fmt_values(stats[(m, p, r)][key]) if (m, p, r) in stats else "-"
                            for p, r in settings])
     return report.markdown_table(header, rows)
 
@@ -252,17 +238,8 @@ def main(argv=None) -> int:
   p.add_argument("--methods", default="naive,sparse_rl,smd@0.1")
   p.add_argument("--lambdas", default="0,0.1,0.8", help="SMD lambda ablation")
   p.add_argument("--lambda-policies", default="h2o", help="policies the ablation runs on")
-  p.add_argument("--seeds", default="0")
-  p.add_argument("--steps", type=int, default=30)
-  p.add_argument("--batch", type=int, default=64)
-  p.add_argument("--lr", type=float, default=1e-4)
-  p.add_argument("--eval-problems", type=int, default=64)
-  p.add_argument("--parallel", type=int, default=2)
   p.add_argument("--skip-memory", action="store_true", help="do not compile for memory")
-  p.add_argument("--workdir", default=os.path.join(REPO, "experiments", "out", "smd_compression"))
-  p.add_argument("--out", default=os.path.join(REPO, "experiments", "results", "smd_compression"))
-  p.add_argument("--set", action="append", default=[], metavar="KEY=V",
-                 help="extra config override for every run (e.g. warmup.cache_dir=...)")
+  report.add_run_args(p, "smd_compression", seeds="0", batch=64, eval_problems=64)
   args = p.parse_args(argv)
   policies = [x for x in args.policies.split(",") if x]
   bad = [x for x in policies if x not in POLICIES]
@@ -272,21 +249,13 @@ def main(argv=None) -> int:
   for m in methods:
     method_overrides(m)
   lambdas = [float(x) for x in args.lambdas.split(",") if x]
-  fixed = {"total_steps": args.steps, "rl.batch_size": args.batch, "optim.lr": args.lr,
-           "eval_problems": args.eval_problems, "trm.criteria": (),
-           "ckpt_every": max(1, args.steps // 2), "export_hf": False}
-  fixed.update({k: sweep._literal(v) for k, _, v in (s.partition("=") for s in args.set)})
+  fixed = report.fixed_overrides(args, **{"trm.criteria": (), "export_hf": False})
   groups = build_cells(policies, [float(r) for r in args.ratios.split(",")], methods,
                        [x for x in args.lambda_policies.split(",") if x], lambdas,
                        [int(s) for s in args.seeds.split(",")], fixed)
-  cells = [c for cs in groups.values() for c in cs]
-  rows = sweep.run_sweep(CONFIG, cells, args.workdir, parallel=args.parallel,
-                         threads_per_cell=1 if args.parallel > 1 else None)
+  rows = report.run_grid(CONFIG, [c for cs in groups.values() for c in cs], args)
   memory = {} if args.skip_memory else learner_memory(
       ["dense", "naive", "sparse_rl", "smd@0", "smd@0.1"], fixed)
-  wall = sweep.span_seconds(args.workdir)
-  os.makedirs(args.out, exist_ok=True)
-  sweep.aggregate(args.workdir, os.path.join(args.out, "results.csv"))
   by_method: dict = {}
   for (m, _, _), cs in groups.items():
     by_method.setdefault(m, []).extend(cs)   # curves: mean over policies, ratios, seeds
@@ -295,11 +264,9 @@ def main(argv=None) -> int:
   stats = {k: group_stats(args.workdir, cs) for k, cs in groups.items()}
   stats = {k: s for k, s in stats.items() if s["reward_last"]}
   all_methods = methods + [f"smd@{lam:g}" for lam in lambdas if f"smd@{lam:g}" not in methods]
-  print(write_summary(args.out, stats, all_methods, lambdas, memory, args, wall))
-  bad = [r["cell"] for r in rows if r["status"] != "ok"]
-  if bad:
-    print(f"runs that did not finish: {bad} (logs in {args.workdir}/cells/*/log.txt)")
-  return 1 if bad else 0
+  print(write_summary(args.out, stats, all_methods, lambdas, memory, args,
+                      sweep.span_seconds(args.workdir)))
+  return report.exit_code(rows, args.workdir)
 
 
 if __name__ == "__main__":

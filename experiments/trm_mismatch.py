@@ -94,13 +94,6 @@ def method_stats(workdir: str, cells) -> dict:
   return out
 
 
-def _ms(vals) -> str:
-  v = np.array(vals, float)
-  v = v[np.isfinite(v)]
-  return report.fmt_stat(*(float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0,
-                           len(v))) if len(v) else "n/a"
-
-
 def claims(stats: dict) -> list[str]:
   """Each claim of the paper, checked on these runs; the numbers that decide it.
 
@@ -162,11 +155,11 @@ def plot_buckets(stats: dict, out_png: str) -> None:
 def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
   header = ["method", "reward first 10%", "reward last 10%", "greedy eval",
             "Delta_PPL first 10%", "Delta_PPL last 10%", "reject rate"]
-  rows = [[m, _ms(s["reward_first"]), _ms(s["reward_last"]), _ms(s["eval"]),
-           _ms(s["gap_first"]), _ms(s["gap_last"]), _ms(s["reject"])]
+  rows = [[m, report.fmt_values(s["reward_first"]), report.fmt_values(s["reward_last"]), report.fmt_values(s["eval"]),
+           report.fmt_values(s["gap_first"]), report.fmt_values(s["gap_last"]), report.fmt_values(s["reject"])]
           for m, s in stats.items()]
   names = sorted({b for s in stats.values() for b in s["buckets"]}, key=report.bucket_order)
-  brows = [[m] + [_ms(s["buckets"].get(b, [])) for b in names]
+  brows = [[m] + [report.fmt_values(s["buckets"].get(b, [])) for b in names]
            for m, s in stats.items() if m not in TOKEN_LEVEL]
   n_seeds = max(len(s["reward_last"]) for s in stats.values())
   text = "\n\n".join([
@@ -190,42 +183,23 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--methods", default=",".join(METHODS))
-  p.add_argument("--seeds", default="0,1,2")
-  p.add_argument("--steps", type=int, default=30)
-  p.add_argument("--batch", type=int, default=32, help="rollouts per step (8 per prompt)")
-  p.add_argument("--lr", type=float, default=1e-4)
   p.add_argument("--router-noise", type=float, default=0.15)
-  p.add_argument("--eval-problems", type=int, default=32)
-  p.add_argument("--parallel", type=int, default=2)
-  p.add_argument("--workdir", default=os.path.join(REPO, "experiments", "out", "trm_mismatch"))
-  p.add_argument("--out", default=os.path.join(REPO, "experiments", "results", "trm_mismatch"))
-  p.add_argument("--set", action="append", default=[], metavar="KEY=V",
-                 help="extra config override for every run (e.g. warmup.cache_dir=...)")
+  report.add_run_args(p, "trm_mismatch", seeds="0,1,2", batch=32, eval_problems=32)
   args = p.parse_args(argv)
   methods = args.methods.split(",")
   unknown = [m for m in methods if m not in METHODS]
   if unknown:
     p.error(f"unknown method(s) {unknown}; known: {list(METHODS)}")
-  fixed = {"total_steps": args.steps, "rl.batch_size": args.batch, "optim.lr": args.lr,
-           "rollout.router_noise": args.router_noise, "eval_problems": args.eval_problems,
-           "ckpt_every": max(1, args.steps // 2)}
-  fixed.update({k: sweep._literal(v) for k, _, v in (s.partition("=") for s in args.set)})
+  fixed = report.fixed_overrides(args, **{"rollout.router_noise": args.router_noise})
   cells, by_method = build_cells(methods, [int(s) for s in args.seeds.split(",")], fixed)
-  rows = sweep.run_sweep(CONFIG, cells, args.workdir, parallel=args.parallel,
-                         threads_per_cell=1 if args.parallel > 1 else None)
-  wall = sweep.span_seconds(args.workdir)
-  os.makedirs(args.out, exist_ok=True)
-  sweep.aggregate(args.workdir, os.path.join(args.out, "results.csv"))
+  rows = report.run_grid(CONFIG, cells, args)
   sweep.plot_grouped(args.workdir, CURVE_KEYS, os.path.join(args.out, "curves.png"),
                      groups=by_method)
   stats = {m: method_stats(args.workdir, cs) for m, cs in by_method.items()}
   stats = {m: s for m, s in stats.items() if s["reward_last"]}
   plot_buckets(stats, os.path.join(args.out, "reject_by_length.png"))
-  print(write_summary(args.out, stats, args, wall))
-  bad = [r["cell"] for r in rows if r["status"] != "ok"]
-  if bad:
-    print(f"runs that did not finish: {bad} (logs in {args.workdir}/cells/*/log.txt)")
-  return 1 if bad else 0
+  print(write_summary(args.out, stats, args, sweep.span_seconds(args.workdir)))
+  return report.exit_code(rows, args.workdir)
 
 
 if __name__ == "__main__":
