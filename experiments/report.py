@@ -9,26 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
-
-
-def as_float(v) -> float:
-  """A CSV cell as a float; empty / missing / non-numeric -> NaN."""
-  try:
-    return float(v)
-  except (TypeError, ValueError):
-    return math.nan
-
-
-def seed_stats(rows: Iterable[Mapping], key: str) -> tuple[float, float, int]:
-  """(mean, std, n) of `key` over rows with a finite value (std = 0 for n = 1)."""
-  vals = np.array([as_float(r.get(key)) for r in rows], float)
-  vals = vals[np.isfinite(vals)]
-  if not len(vals):
-    return math.nan, math.nan, 0
-  return float(vals.mean()), float(vals.std(ddof=1) if len(vals) > 1 else 0.0), len(vals)
 
 
 def fmt_stat(mean: float, std: float, n: int, digits: int = 3) -> str:
@@ -81,11 +64,6 @@ def first_last_mean(values: np.ndarray, frac: float = 0.1) -> tuple[float, float
     return math.nan, math.nan
   k = max(1, int(math.ceil(len(v) * frac)))
   return float(v[:k].mean()), float(v[-k:].mean())
-
-
-def pick(rows: Sequence[Mapping], **match) -> list[Mapping]:
-  """Rows whose columns equal every `match` value (compared as strings)."""
-  return [r for r in rows if all(str(r.get(k)) == str(v) for k, v in match.items())]
 
 
 MIN_REPLICATES = 3
@@ -199,8 +177,3 @@ def exit_code(rows, workdir: str) -> int:
   if bad:
     print(f"runs that did not finish: {bad} (logs in {workdir}/cells/*/log.txt)")
   return 1 if bad else 0
-
-
-def optional_float(v) -> Optional[float]:
-  f = as_float(v)
-  return f if math.isfinite(f) else None

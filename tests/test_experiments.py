@@ -97,9 +97,9 @@ def test_report_helpers():
   assert sorted(["16_32", "0_16", "4096_inf"], key=report.bucket_order) == [
       "0_16", "16_32", "4096_inf"]
   assert report.first_last_mean(np.array([1.0, np.nan] + [0.0] * 18 + [3.0])) == (0.5, 1.5)
-  m, s, n = report.seed_stats([{"x": "1"}, {"x": "3"}, {"x": ""}], "x")
-  assert (m, n) == (2.0, 2) and s == pytest.approx(math.sqrt(2))
-  assert report.fmt_stat(m, s, n) == "2.000 ± 1.414"
+  assert report.finite_mean([1.0, 3.0, math.nan]) == 2.0
+  assert report.fmt_values([1.0, 3.0, math.nan]) == "2.000 ± 1.414"   # std sqrt(2), NaN dropped
+  assert report.fmt_values([math.nan]) == "n/a" and report.fmt_values([0.5]) == "0.500"
   d = report.compare([0.5, 0.6, 0.7], [0.1, 0.2, 0.15])
   assert d.diff == pytest.approx(0.45) and d.verdict("higher").startswith("yes")
   assert d.verdict("lower").startswith("no, the opposite")
