@@ -217,8 +217,8 @@ def _ensure_base_models(spec: str, cells: Sequence[Cell]) -> None:
   seen = set()
   for cell in cells:
     c = cell_config(spec, cell.overrides)
-    key = json.dumps([c.model.path, c.warmup.to_dict(), c.model.arch.to_dict(),
-                      c.task.synthetic.to_dict()], sort_keys=True)
+    # The settings that decide the base model are warm-up's own fingerprint.
+    key = json.dumps([c.model.path, warmup._fingerprint(c)], sort_keys=True)
     if key not in seen:
       seen.add(key)
       warmup.ensure_base_model(c, log=lambda m: print(m, flush=True))
