@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from trm_jax.rl import objectives as obj
@@ -66,10 +67,25 @@ def test_make_optimizer_matches_numpy_adamw_with_clipping_and_decay_mask():
 
 
 def test_make_optimizer_rejects_bad_config():
-  for key, bad in (("warmup_steps", 7), ("min_lr_ratio", 1.5), ("clip_norm", 0.0), ("lr", 0.0),
+  for key, bad in (("warmup_steps", 7), ("min_lr_ratio", 1.5), ("clip_norm", 0.0), ("lr", -1e-3),
                    ("b2", 1.0)):
     with pytest.raises(ValueError, match=key):
       optim.make_optimizer(**{**OPT, key: bad})
+
+
+def test_lr_zero_freezes_the_parameters_exactly():
+  # The frozen-policy control run: AdamW with weight decay and clipping must leave every
+  # parameter bitwise unchanged, and the schedule count still moves.
+  tx = optim.make_optimizer(**{**OPT, "lr": 0.0})
+  params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.arange(4.0)}
+  state = tx.init(params)
+  p = params
+  for i in range(3):
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5 + i), params)
+    updates, state = tx.update(grads, state, p)
+    p = optax.apply_updates(p, updates)
+  for k in params:
+    assert np.asarray(p[k]).tobytes() == np.asarray(params[k]).tobytes(), k
 
 
 # --- accumulation -----------------------------------------------------------------------------

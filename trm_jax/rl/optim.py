@@ -25,9 +25,14 @@ PyTree = Any
 
 def make_schedule(*, lr: float, warmup_steps: int, total_steps: int,
                   min_lr_ratio: float) -> optax.Schedule:
-  """0 -> lr linearly over warmup_steps, then cosine to min_lr_ratio * lr at total_steps."""
-  if not lr > 0:
-    raise ValueError(f"lr must be > 0, got {lr!r}")
+  """0 -> lr linearly over warmup_steps, then cosine to min_lr_ratio * lr at total_steps.
+
+  lr = 0 is allowed: every update is then exactly zero, a frozen-policy control run that sees
+  the same prompts and sampling noise as a training run (per-step reward is dominated by the
+  difficulty of that step's prompts; the control measures it).
+  """
+  if not lr >= 0:
+    raise ValueError(f"lr must be >= 0, got {lr!r}")
   if total_steps < 1:
     raise ValueError(f"total_steps must be >= 1, got {total_steps!r}")
   if not 0 <= warmup_steps <= total_steps:
