@@ -16,11 +16,13 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0                       # RL prompts use stream `seed`; warm-up data `seed + 1`
   c.total_steps = 150              # RL steps (rollout batch + update)
-  c.log_every = 1                  # console / TensorBoard / metrics.jsonl cadence
-  c.eval_every = 0                 # greedy evaluation cadence (0 = only at the end)
-  c.eval_problems = 64             # held-out problems for the final evaluation
-  c.eval_samples = 1               # 1 = greedy accuracy; k > 1 = avg@k and pass@k at rollout
-                                   #   temperature / top-p
+  c.log_every = 1                  # console / TensorBoard / metrics.jsonl cadence (steps;
+                                   #   evaluation steps and the last step always log)
+  c.eval_every = 50                # held-out evaluation at step 0 and every k steps (eval/*
+                                   #   in metrics.jsonl); 0 = only at the end
+  c.eval_problems = 64             # held-out problems per evaluation (0 = no evaluation)
+  c.eval_samples = 4               # greedy accuracy, and for k > 1 also avg@k and pass@k at
+                                   #   the rollout temperature / top-p (fixed sampling key)
   c.ckpt_every = 50                # orbax checkpoint cadence (steps)
   c.keep_ckpts = 2                 # checkpoints kept
   c.export_hf = True               # write the final policy as an HF checkpoint (workdir/hf)

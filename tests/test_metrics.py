@@ -170,6 +170,22 @@ def test_summary_numbers(tmp_path):
     summarize(path, key="accuracy")
 
 
+def test_summary_reports_first_and_last_evaluation(tmp_path):
+  with MetricsLogger(tmp_path, total_steps=6, enable_progress=False, tb=False) as logger:
+    logger.log(0, {"eval/avg@4": 0.5, "eval/greedy_accuracy": float("nan")})
+    for step in range(1, 7):
+      ev = {"eval/avg@4": 0.5 + step / 20, "eval/greedy_accuracy": step / 10} if step % 3 == 0 \
+          else {}
+      logger.log(step, {"reward": 1.0 - step / 10, **ev})
+  s = summarize(tmp_path / "metrics.jsonl", key="reward")
+  # The step-0 line has no reward: the training-reward window starts at step 1.
+  assert s["num_steps"] == 6 and s["first_steps"] == (1, 1)
+  assert s["evals"] == {
+      "avg@4": {"first_step": 0, "first": 0.5, "last_step": 6, "last": 0.8},
+      "greedy_accuracy": {"first_step": 3, "first": 0.3, "last_step": 6, "last": 0.6}}
+  assert "held-out avg@4: 0.5000 (step 0) -> 0.8000 (step 6)" in format_summary(s)
+
+
 def test_plot_is_a_png(tmp_path):
   path = _write_series(tmp_path)
   out = tmp_path / "plots" / "curves.png"

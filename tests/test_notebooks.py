@@ -185,14 +185,20 @@ def test_quickstart(kernel, monkeypatch, tmp_path):
                WARMUP_STEPS=20, WARMUP_BATCH=16, CACHE_DIR=cache, WORKDIR=workdir)
   with open(workdir / "metrics.jsonl") as f:
     recs = [json.loads(line) for line in f]
-  assert [r["step"] for r in recs] == [1, 2, 3]
+  # Step 0: the starting policy's held-out evaluation; training steps 1-3 (the last evaluated).
+  assert [r["step"] for r in recs] == [0, 1, 2, 3]
+  assert [r["step"] for r in recs if "eval/avg@4" in r] == [0, 3]
   for key in ("reward", "trm/reject_rate", "trm/ppl_gap"):
-    assert all(math.isfinite(r[key]) for r in recs), key
+    assert all(math.isfinite(r[key]) for r in recs[1:]), key
   cfg = json.loads((workdir / "config.json").read_text())
   assert (cfg["total_steps"], cfg["rl"]["batch_size"], cfg["warmup"]["steps"]) == (3, 16, 20)
   assert (cache / "warmup.json").is_file()  # the base model was built in tmp, not ~/.cache
-  acc = json.loads((workdir / "summary.json").read_text())["eval"]["greedy_accuracy"]
-  m = re.search(r"eval greedy accuracy on 8 held-out problems: (\d\.\d{3})", stdout(nb))
-  assert m and float(m.group(1)) == round(acc, 3)
+  summ = json.loads((workdir / "summary.json").read_text())
+  acc = summ["eval"]["greedy_accuracy"]
+  assert summ["summary"]["evals"]["greedy_accuracy"]["last"] == acc
+  m = re.search(r"held-out greedy_accuracy on 8 problems: (\d\.\d{3}) \(step 0\) -> "
+                r"(\d\.\d{3}) \(step 3\)", stdout(nb))
+  assert m and float(m.group(1)) == round(recs[0]["eval/greedy_accuracy"], 3)
+  assert float(m.group(2)) == round(acc, 3)
   assert n_images(nb) == 1
   assert "CpuDevice" in stdout(nb)  # the first cell shows jax.devices()

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow
 
 
 def _tiny(tmp) -> list[str]:
-  return ["total_steps=2", "ckpt_every=1", "eval_problems=4", "export_hf=False",
+  return ["total_steps=2", "ckpt_every=1", "eval_problems=4", "eval_every=0", "eval_samples=1",
+          "export_hf=False",
           "rl.batch_size=16", "rl.group_size=4", "warmup.steps=20", "warmup.batch_size=16",
           "task.synthetic.max_operands=3", "task.synthetic.max_value=9",
           f"warmup.cache_dir={tmp}/base"]

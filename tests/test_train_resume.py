@@ -5,6 +5,8 @@
     uninterrupted run, and metrics.jsonl holds each step exactly once with the same values;
   * the newest checkpoint's files corrupted: the run falls back to the one before, says so,
     and still ends bitwise identical;
+  * held-out evaluations (`eval_every`) land at step 0 and every k steps, once each, with the
+    same values after a resume;
   * NaN gradients at one step (`debug.nan_step`): that update is skipped (parameters and
     optimizer state untouched, `learner/skipped` = 1) and the run finishes.
 
@@ -38,7 +40,8 @@ def _args(tmp, workdir, *overrides):
   return [sys.executable, "-m", "trm_jax.train", "--config", "configs/tiny_trm.py",
           "--workdir", workdir,
           f"--config.total_steps={STEPS}", "--config.ckpt_every=2", "--config.keep_ckpts=2",
-          "--config.rl.batch_size=16", "--config.rl.group_size=4", "--config.eval_problems=0",
+          "--config.rl.batch_size=16", "--config.rl.group_size=4",
+          "--config.eval_problems=8", "--config.eval_every=2",
           "--config.warmup.steps=80", "--config.warmup.batch_size=32",
           "--config.task.synthetic.max_operands=3", "--config.task.synthetic.max_value=9",
           f"--config.warmup.cache_dir={tmp}/base", *overrides]
@@ -84,7 +87,10 @@ def _assert_same_run(workdir, ref):
   _assert_bitwise_equal(load_file(os.path.join(workdir, "hf", "model.safetensors")),
                         load_file(os.path.join(ref, "hf", "model.safetensors")))
   got, want = _metrics(workdir), _metrics(ref)
-  assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # each step exactly once
+  # Each step exactly once; step 0 holds the evaluation of the starting policy.
+  assert [r["step"] for r in got] == list(range(0, STEPS + 1))
+  # Held-out evaluations at step 0 and every eval_every = 2 steps, the same after a resume.
+  assert [r["step"] for r in got if "eval/greedy_accuracy" in r] == list(range(0, STEPS + 1, 2))
   for g, w in zip(got, want):
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith(VOLATILE)}
     assert strip(g) == strip(w), g["step"]
@@ -183,10 +189,11 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp, reference):
 def test_nan_gradients_skip_the_update_and_the_run_goes_on(tmp, reference):
   del reference  # only for the base model and the compilation cache
   workdir = os.path.join(tmp, "nan")
-  _train(tmp, workdir, "--config.total_steps=3", "--config.ckpt_every=1",
+  _train(tmp, workdir, "--config.total_steps=3", "--config.ckpt_every=1", "--config.eval_every=0",
          "--config.keep_ckpts=3", "--config.debug.nan_step=2")
   recs = {r["step"]: r for r in _metrics(workdir)}
   assert sorted(recs) == [1, 2, 3]
+  assert [s for s in recs if "eval/greedy_accuracy" in recs[s]] == [3]  # eval_every=0: the end
   assert [recs[s]["learner/skipped"] for s in (1, 2, 3)] == [0.0, 1.0, 0.0]
   assert recs[2]["learner/grad_norm"] is None  # NaN: logged as null
   assert os.path.exists(os.path.join(workdir, "summary.json"))

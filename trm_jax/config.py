@@ -80,6 +80,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
                                           "rl.num_microbatches"],
            f"minibatch of {mb} sequences is not divisible by num_microbatches={r.num_microbatches}")
   _require(c.total_steps > 0, ["total_steps"], "must be positive")
+  _require(c.log_every >= 1, ["log_every"], "must be >= 1")
+  _require(c.eval_every >= 0, ["eval_every"], "must be >= 0 (0 = only at the end)")
+  _require(c.eval_problems >= 0 and c.eval_samples >= 1, ["eval_problems", "eval_samples"],
+           "need eval_problems >= 0 and eval_samples >= 1")
   _require(0.0 <= c.smd.lam, ["smd.lam"], "distillation weight must be >= 0")
   from trm_jax.rl.learner import MODES  # pylint: disable=g-import-not-at-top
   _require(c.smd.mode in MODES, ["smd.mode"],

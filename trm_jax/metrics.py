@@ -248,14 +248,16 @@ def plot_curves(metrics_jsonl_path: str, out_png: str,
 
 
 def summarize(metrics_jsonl_path: str, key: str = "reward",
-              final_keys: Optional[Sequence[str]] = None) -> dict:
+              final_keys: Optional[Sequence[str]] = None, eval_prefix: str = "eval/") -> dict:
   """The run's headline numbers for `key`.
 
   Over the n logged steps with a finite `key` (null steps are left out), with k = ceil(n/10):
     first_mean = mean of the first k values, last_mean = mean of the last k,
     delta = last_mean - first_mean (the number the main job must make positive).
   `final` maps each of `final_keys` (default: every metric in the file) to its last finite
-  value.
+  value. `evals` maps each logged `eval_prefix` metric (prefix removed) to its first and last
+  finite value and their steps: the held-out change, free of the training batches' varying
+  difficulty that moves first_mean and last_mean.
   """
   records = read_metrics(metrics_jsonl_path)
   steps, values = _series(records, key)
@@ -273,8 +275,17 @@ def summarize(metrics_jsonl_path: str, key: str = "reward",
     vals = vals[np.isfinite(vals)]
     if len(vals):
       final[m] = float(vals[-1])
+  evals = {}
+  for m in sorted({m for r in records for m in r if m.startswith(eval_prefix)}):
+    e_steps, e_vals = _series(records, m)
+    ok = np.isfinite(e_vals)
+    if ok.any():
+      e_steps, e_vals = e_steps[ok], e_vals[ok]
+      evals[m[len(eval_prefix):]] = {"first_step": int(e_steps[0]), "first": float(e_vals[0]),
+                                     "last_step": int(e_steps[-1]), "last": float(e_vals[-1])}
   return {
       "key": key,
+      "evals": evals,
       "num_steps": len(values),
       "window": k,
       "first_steps": (int(steps[0]), int(steps[k - 1])),
@@ -294,6 +305,9 @@ def format_summary(summary: dict) -> str:
       f"{s['first_mean']:.4f} -> last 10% (steps {s['last_steps'][0]}-{s['last_steps'][1]}) "
       f"mean {s['last_mean']:.4f}  (change {s['delta']:+.4f}, over {s['num_steps']} steps)",
   ]
+  for k, e in s.get("evals", {}).items():
+    lines.append(f"held-out {k}: {e['first']:.4f} (step {e['first_step']}) -> {e['last']:.4f} "
+                 f"(step {e['last_step']})")
   if s["final"]:
     lines.append("final: " + "  ".join(f"{k}={v:.4g}" for k, v in s["final"].items()))
   return "\n".join(lines)

@@ -308,6 +308,9 @@ def cell_row(workdir: str, cell: Cell) -> dict:
     row[f"reward/{k}"] = s.get(k)
   for k, v in summ.get("eval", {}).items():
     row[f"eval/{k}"] = v
+  for k, e in s.get("evals", {}).items():  # with eval_every > 0: the step-0 evaluation too
+    if e["first_step"] < e["last_step"]:
+      row[f"eval_first/{k}"] = e["first"]
   records = read_metrics(os.path.join(d, "metrics.jsonl"))
   keys = sorted({k for r in records for k in r if k not in ("step", "time")})
   for k in keys:
@@ -336,10 +339,14 @@ def aggregate(workdir: str, out_csv: Optional[str] = None) -> list[dict]:
 
 
 def curves(workdir: str, cell: Cell, key: str) -> tuple[np.ndarray, np.ndarray]:
-  """(steps, values) of one metric of one cell; NaN where a step did not log it."""
+  """(steps, values) of one metric of one cell, over the steps that logged it (null -> NaN).
+
+  Steps without the key (the step-0 evaluation line, `log_every` > 1) are left out, not NaN:
+  a leading NaN would blank the start of every seed-mean curve."""
   records = read_metrics(os.path.join(cell_dir(workdir, cell), "metrics.jsonl"))
-  steps = np.array([r["step"] for r in records])
-  vals = np.array([r.get(key) if r.get(key) is not None else np.nan for r in records], float)
+  records = [r for r in records if key in r]
+  steps = np.array([r["step"] for r in records], np.int64)
+  vals = np.array([np.nan if r[key] is None else r[key] for r in records], float)
   return steps, vals
 
 

@@ -9,8 +9,10 @@ Each step (ARCHITECTURE.md):
   (3) rewards from the decoded completions, GRPO advantages per group;
   (4) learner `score` (logp_old, TRM monitors, Sparse-RL weights) and `update` per minibatch;
   (5) metrics -> console, TensorBoard, metrics.jsonl; orbax checkpoint every `ckpt_every`.
-At the end: a greedy evaluation, a PNG of the curves, the summary (reward change from the
-first 10% of steps to the last 10%), and the policy exported as an HF checkpoint.
+Held-out evaluation (`evaluate`) at step 0 and every `eval_every` steps, logged as `eval/*`,
+and at the end. At the end also a PNG of the curves, the summary (reward change from the first
+10% of steps to the last 10%, and the first and last held-out evaluation), and the policy
+exported as an HF checkpoint.
 
 Artifacts in --workdir: metrics.jsonl, tb/, ckpt/, curves.png, summary.json, hf/.
 
@@ -338,6 +340,22 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, ba
                          resume_step=start if restored is not None else None) if lead else None
   n_prompts = c.rl.batch_size // c.rl.group_size
   mb_size = c.rl.batch_size // c.rl.num_minibatches
+
+  def eval_due(step: int) -> bool:
+    return bool(c.eval_problems) and (
+        step == c.total_steps or (c.eval_every > 0 and step % c.eval_every == 0))
+
+  def eval_metrics(ev: dict) -> dict:
+    return {f"eval/{k}": v for k, v in ev.items()}
+
+  last_eval = None
+  if start == 0 and c.eval_every > 0 and c.eval_problems:
+    # Step 0: the starting policy on the same held-out problems (and, through the fixed eval
+    # key, the same sampling noise) as every later evaluation, so eval/* changes are the
+    # policy's, not the training batches' difficulty (which dominates per-step reward).
+    last_eval = evaluate(c, graphdef, params, rest, task, tok, mesh)
+    if logger is not None:
+      logger.log(0, eval_metrics(last_eval))
   t_start = time.time()
   for step in range(start + 1, c.total_steps + 1):
     t0 = time.time()
@@ -405,7 +423,12 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, ba
                     "time/rollout_s": t_roll, "time/step_s": time.time() - t0,
                     "throughput/tokens_per_s": n_tok / max(time.time() - t0, 1e-9)})
     metrics.update(memory_metrics())
-    if logger is not None:
+    logged = step % c.log_every == 0 or step == c.total_steps
+    if eval_due(step):
+      last_eval = evaluate(c, graphdef, params, rest, task, tok, mesh)
+      metrics.update(eval_metrics(last_eval))
+      logged = True
+    if logger is not None and logged:
       logger.log(step, metrics)
     ckpt.maybe_save(step, {"params": params, "opt_state": opt_state, "rng": rng},
                     meta={"step": step, "data_pos": data_pos},
@@ -417,7 +440,10 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, ba
   # --- Final evaluation, plot, summary, export ----------------------------------------------
   result = {"workdir": workdir, "wall_s": time.time() - t_start}
   if c.eval_problems:
-    result["eval"] = evaluate(c, graphdef, params, rest, task, tok, mesh)
+    # Evaluated in the loop's last step, unless this process resumed a run that had finished
+    # its steps (and died before writing the summary).
+    result["eval"] = last_eval if last_eval is not None else evaluate(
+        c, graphdef, params, rest, task, tok, mesh)
   # The export needs the full parameters on the lead's host (a collective: all processes).
   params_host = jax.tree.map(host, params) if c.export_hf else None
   if not lead:
@@ -452,29 +478,34 @@ def evaluate(c, graphdef, params, rest, task: Task, tok, mesh) -> dict:
   """Held-out evaluation in the learner dtype, with the dense cache and, when the rollouts
   are compressed, also with the rollout's cache policy (keys prefixed `compressed_`).
 
-  eval_samples == 1: greedy accuracy. k > 1: k samples per problem at the rollout temperature
-  and top-p -> avg@k and unbiased pass@k (Chen et al. 2021) for k in {1, k}. The compressed
+  Always greedy accuracy; with eval_samples = k > 1 also k samples per problem at the rollout
+  temperature and top-p -> avg@k and unbiased pass@k (Chen et al. 2021) for k in {1, k}.
+  avg@k is what the training reward estimates, on fixed problems: the per-step reward mixes
+  the policy's change with the difficulty of that step's few prompts. The sampling key is the
+  same at every evaluation, so two evaluations differ only by the policy. The compressed
   figure is the one a KV-compressed deployment sees, which SMD trains for (the dense one is
   what the dense learner baselines train for).
   """
   problems = task.eval_problems(c.eval_problems)
   k = c.eval_samples
-  pb = task.prompts(problems, k)
   caches = {"": CacheConfig()}
   if c.rollout.cache.policy != "none":
     caches["compressed_"] = cache_config(c)
+  model = nnx.merge(graphdef, params, rest)
   out = {}
   for prefix, cache in caches.items():
-    ro = generate(nnx.merge(graphdef, params, rest), shd.put_batch(pb.tokens, mesh), pb.lengths,
-                  max_new_tokens=task.max_new_tokens, key=jax.random.key(c.seed + 3),
-                  greedy=k == 1, temperature=c.rollout.temperature, top_p=c.rollout.top_p,
-                  cache=cache)
-    correct = rewards_of(tok, ro, problems, pb.problem_ids, task.max_prompt_len) > 0.5
-    if k == 1:
-      out[prefix + "greedy_accuracy"] = float(correct.mean())
-    else:
-      out.update({prefix + key: float(v) for key, v in
-                  eval_summary(correct.reshape(len(problems), k), ks=(1, k)).items()})
+    for n in (1, k) if k > 1 else (1,):
+      pb = task.prompts(problems, n)
+      ro = generate(model, shd.put_batch(pb.tokens, mesh), pb.lengths,
+                    max_new_tokens=task.max_new_tokens, key=jax.random.key(c.seed + 3),
+                    greedy=n == 1, temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+                    top_k=c.rollout.top_k, cache=cache)
+      correct = rewards_of(tok, ro, problems, pb.problem_ids, task.max_prompt_len) > 0.5
+      if n == 1:
+        out[prefix + "greedy_accuracy"] = float(correct.mean())
+      else:
+        out.update({prefix + key: float(v) for key, v in
+                    eval_summary(correct.reshape(len(problems), n), ks=(1, n)).items()})
   return out
 
 
