@@ -249,7 +249,10 @@ def main(argv=None) -> int:
   for m in methods:
     method_overrides(m)
   lambdas = [float(x) for x in args.lambdas.split(",") if x]
-  fixed = report.fixed_overrides(args, **{"trm.criteria": (), "export_hf": False})
+  # Greedy evaluation at the end only (dense and compressed cache): the committed results'
+  # protocol; `--set eval_every=N --set eval_samples=k` adds step-0 and sampled evaluations.
+  fixed = report.fixed_overrides(args, **{"trm.criteria": (), "export_hf": False,
+                                          "eval_every": 0, "eval_samples": 1})
   groups = build_cells(policies, [float(r) for r in args.ratios.split(",")], methods,
                        [x for x in args.lambda_policies.split(",") if x], lambdas,
                        [int(s) for s in args.seeds.split(",")], fixed)

@@ -13,6 +13,14 @@ fp32. Every method trains on the same prompts from the same base model:
   sequence-level TRM (surrogate sum_t rho_t A masked per sequence, TRM paper Eq. 13):
                 trm_max_kl, trm_max_tv, trm_avg (avg KL), combined (max KL and avg KL),
                 ln_trm (length-normalised), ser (sequence-level mean |rho - 1|)
+  control       frozen (lr = 0: the same prompts and sampling keys, no update)
+
+Per-step reward is dominated by how hard that step's 4 prompts are: across methods of one
+seed the per-step rewards correlate at ~0.75, because every method sees the same prompts. So
+training progress is judged on numbers that remove that: the held-out evaluation (avg@k at
+the rollout temperature and greedy accuracy, on fixed problems with a fixed sampling key, at
+step 0 and at the end) and each run's reward change minus the frozen control's for the same
+seed (paired: same prompts at every step).
 
 Writes into --out: results.csv (one row per run), curves.png (reward, PPL gap, rejection rate:
 seed mean and min-max band), reject_by_length.png, summary.md (tables + the paper's claims,
@@ -54,8 +62,11 @@ METHODS = {
     "combined": {"rl.objective": "trm_surrogate", "trm.criteria": ("trm_max_avg_kl",)},
     "ln_trm": {"rl.objective": "trm_surrogate", "trm.criteria": ("ln_trm",)},
     "ser": {"rl.objective": "trm_surrogate", "trm.criteria": ("ser",)},
+    # Control: the base policy, never updated (AdamW at lr 0 leaves it bitwise unchanged).
+    "frozen": {"rl.objective": "ppo_clip", "trm.criteria": (), "optim.lr": 0.0},
 }
 TOKEN_LEVEL = ("ppo_clip", "token_mask", "tis")
+CONTROL = "frozen"
 CURVE_KEYS = ("reward", "trm/ppl_gap", "trm/reject_rate")
 
 
@@ -66,9 +77,10 @@ def build_cells(methods, seeds, fixed: dict) -> tuple[list[sweep.Cell], dict]:
 
 
 def method_stats(workdir: str, cells) -> dict:
-  """Per run: reward first/last 10 %, PPL gap first/last 10 %, rejection, eval; seed lists."""
-  out = {k: [] for k in ("reward_first", "reward_last", "gap_first", "gap_last",
-                         "abs_gap_last", "reject", "eval")}
+  """Per run: reward first/last 10 %, PPL gap first/last 10 %, rejection, held-out evaluation
+  at step 0 and at the end (greedy and avg@k); seed lists, plus the seeds themselves."""
+  out = {k: [] for k in ("seed", "reward_first", "reward_last", "gap_first", "gap_last",
+                         "abs_gap_last", "reject", "eval", "avg_first", "avg_last")}
   buckets: dict[str, list[float]] = {}
   for c in cells:
     if not sweep.is_done(workdir, c):
@@ -85,13 +97,29 @@ def method_stats(workdir: str, cells) -> dict:
     out["gap_last"].append(gl)
     out["abs_gap_last"].append(agl)
     out["reject"].append(float(np.nanmean(series["trm/reject_rate"])))
+    out["seed"].append(dict(c.overrides)["seed"])
     with open(os.path.join(sweep.cell_dir(workdir, c), "summary.json")) as f:
-      out["eval"].append(json.load(f).get("eval", {}).get("greedy_accuracy", math.nan))
+      summ = json.load(f)
+    out["eval"].append(summ.get("eval", {}).get("greedy_accuracy", math.nan))
+    avg = next((e for k, e in summ["summary"].get("evals", {}).items()
+                if k.startswith("avg@")), None)
+    out["avg_first"].append(avg["first"] if avg and avg["first_step"] == 0 else math.nan)
+    out["avg_last"].append(avg["last"] if avg else math.nan)
     for b, (rate, n) in report.weighted_bucket_rates(records).items():
       if n:
         buckets.setdefault(b, []).append(rate)
   out["buckets"] = buckets
   return out
+
+
+def control_adjusted_gain(stats: dict):
+  """f(method stats, run index) -> that run's reward change minus the frozen control's change
+  for the same seed (NaN without one). The control sees the same prompts at every step, so the
+  difference removes the prompts' difficulty from the change."""
+  ctl = stats[CONTROL]
+  by_seed = {sd: l - f for sd, f, l in zip(ctl["seed"], ctl["reward_first"], ctl["reward_last"])}
+  return lambda s, i: (s["reward_last"][i] - s["reward_first"][i]
+                       - by_seed.get(s["seed"][i], math.nan))
 
 
 def claims(stats: dict) -> list[str]:
@@ -102,15 +130,21 @@ def claims(stats: dict) -> list[str]:
   """
   lines = []
   tok = [m for m in TOKEN_LEVEL if m in stats]
-  trm = [m for m in stats if m not in TOKEN_LEVEL]
+  trm = [m for m in stats if m not in TOKEN_LEVEL and m != CONTROL]
   runs = lambda ms, f: [f(stats[m], i) for m in ms for i in range(len(stats[m]["reward_last"]))]
   if tok and trm:
-    gain = lambda s, i: s["reward_last"][i] - s["reward_first"][i]
-    d = report.compare(runs(trm, gain), runs(tok, gain))
-    lines.append(f"- Training: reward change (last - first 10 % of steps), TRM variants "
-                 f"{d.mean_a:+.3f} vs token-level {d.mean_b:+.3f} over {d.n_a} / {d.n_b} runs. "
-                 f"'TRM keeps improving where token-level methods degrade': "
-                 f"{d.verdict('higher')}.")
+    held = lambda s, i: s["avg_last"][i] - s["avg_first"][i]
+    d = report.compare(runs(trm, held), runs(tok, held))
+    lines.append(f"- Training, held-out: avg@k change (end - step 0, fixed problems and "
+                 f"sampling key), TRM variants {d.mean_a:+.3f} vs token-level "
+                 f"{d.mean_b:+.3f} over {d.n_a} / {d.n_b} runs. 'TRM keeps improving where "
+                 f"token-level methods degrade': {d.verdict('higher')}.")
+    if CONTROL in stats:
+      gain = control_adjusted_gain(stats)
+      d = report.compare(runs(trm, gain), runs(tok, gain))
+      lines.append(f"- Training, sampled reward: change (last - first 10 % of steps) minus the "
+                   f"frozen control's on the same prompts, TRM variants {d.mean_a:+.3f} vs "
+                   f"token-level {d.mean_b:+.3f}: {d.verdict('higher')}.")
     gap = lambda s, i: s["abs_gap_last"][i]
     d = report.compare(runs(trm, gap), runs(tok, gap))
     lines.append(f"- PPL gap: |Delta_PPL| over the last 10 % of steps, TRM {d.mean_a:.4f} vs "
@@ -133,7 +167,7 @@ def claims(stats: dict) -> list[str]:
 def plot_buckets(stats: dict, out_png: str) -> None:
   # A bare Figure (Agg canvas) leaves pyplot's backend alone: notebooks keep inline plots.
   from matplotlib.figure import Figure
-  methods = [m for m in stats if m not in TOKEN_LEVEL and stats[m]["buckets"]]
+  methods = [m for m in stats if m not in TOKEN_LEVEL + (CONTROL,) and stats[m]["buckets"]]
   if not methods:
     return
   names = sorted({b for m in methods for b in stats[m]["buckets"]}, key=report.bucket_order)
@@ -153,19 +187,27 @@ def plot_buckets(stats: dict, out_png: str) -> None:
 
 
 def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
-  header = ["method", "reward first 10%", "reward last 10%", "greedy eval",
+  gain = control_adjusted_gain(stats) if CONTROL in stats else lambda s, i: math.nan
+  header = ["method", "reward first 10%", "reward last 10%", "change - control",
+            "held-out avg@k step 0", "held-out avg@k end", "greedy eval end",
             "Delta_PPL first 10%", "Delta_PPL last 10%", "reject rate"]
-  rows = [[m, report.fmt_values(s["reward_first"]), report.fmt_values(s["reward_last"]), report.fmt_values(s["eval"]),
-           report.fmt_values(s["gap_first"]), report.fmt_values(s["gap_last"]), report.fmt_values(s["reject"])]
+  fmt = report.fmt_values
+  rows = [[m, fmt(s["reward_first"]), fmt(s["reward_last"]),
+           fmt([gain(s, i) for i in range(len(s["seed"]))]) if m != CONTROL else "-",
+           fmt(s["avg_first"]), fmt(s["avg_last"]), fmt(s["eval"]),
+           fmt(s["gap_first"]), fmt(s["gap_last"]), fmt(s["reject"])]
           for m, s in stats.items()]
   names = sorted({b for s in stats.values() for b in s["buckets"]}, key=report.bucket_order)
   brows = [[m] + [report.fmt_values(s["buckets"].get(b, [])) for b in names]
-           for m, s in stats.items() if m not in TOKEN_LEVEL]
+           for m, s in stats.items() if m not in TOKEN_LEVEL + (CONTROL,)]
   n_seeds = max(len(s["reward_last"]) for s in stats.values())
   text = "\n\n".join([
       "# TRM under injected mismatch (MoE router jitter + bf16 rollout)",
       f"{len(stats)} methods x {n_seeds} seeds, {args.steps} RL steps each, router noise "
       f"{args.router_noise}, lr {args.lr}; config `configs/tiny_moe_mismatch.py`. "
+      f"Held-out: {args.eval_problems} problems, avg@{args.eval_samples} at the rollout "
+      "temperature and greedy accuracy. `change - control`: the run's reward change (last - "
+      "first 10 % of steps) minus the frozen control's for the same seed. "
       f"Values are mean ± std over seeds. Training span {wall_s / 60:.1f} min (first step "
       "to last step, 2 runs at a time; start-up, evaluation and the base-model warm-up extra).",
       report.markdown_table(header, rows),
@@ -185,12 +227,16 @@ def main(argv=None) -> int:
   p.add_argument("--methods", default=",".join(METHODS))
   p.add_argument("--router-noise", type=float, default=0.15)
   report.add_run_args(p, "trm_mismatch", seeds="0,1,2", batch=32, eval_problems=32)
+  p.add_argument("--eval-samples", type=int, default=4, help="k of the held-out avg@k")
   args = p.parse_args(argv)
   methods = args.methods.split(",")
   unknown = [m for m in methods if m not in METHODS]
   if unknown:
     p.error(f"unknown method(s) {unknown}; known: {list(METHODS)}")
-  fixed = report.fixed_overrides(args, **{"rollout.router_noise": args.router_noise})
+  # Held-out evaluation at step 0 and at the end (eval_every = steps).
+  fixed = report.fixed_overrides(args, **{"rollout.router_noise": args.router_noise,
+                                          "eval_every": args.steps,
+                                          "eval_samples": args.eval_samples})
   cells, by_method = build_cells(methods, [int(s) for s in args.seeds.split(",")], fixed)
   rows = report.run_grid(CONFIG, cells, args)
   sweep.plot_grouped(args.workdir, CURVE_KEYS, os.path.join(args.out, "curves.png"),

@@ -36,27 +36,42 @@ def _run(script, tmp, *args):
   return p.stdout
 
 
-def _last_reward(tmp, cell):
+def _first_last_reward(tmp, cell):
   with open(tmp / "w" / "cells" / cell / "metrics.jsonl") as f:
-    rewards = [json.loads(line)["reward"] for line in f]
-  return report.first_last_mean(np.array(rewards))[1]
+    rewards = [json.loads(line).get("reward") for line in f]
+  return report.first_last_mean(np.array([r for r in rewards if r is not None]))
+
+
+def _cell(summary: str, method: str, col: int) -> str:
+  line = next(l for l in summary.splitlines() if l.startswith(f"| {method} |"))
+  return line.split(" | ")[col].rstrip(" |")
 
 
 def test_trm_mismatch_end_to_end(tmp_path):
-  # One method keeps the suite short; the method table and claims code are the same for nine.
-  out = _run("trm_mismatch.py", tmp_path, "--methods", "trm_max_kl")
+  # One method and the frozen control keep the suite short; the method table and claims code
+  # are the same for nine.
+  out = _run("trm_mismatch.py", tmp_path, "--methods", "trm_max_kl,frozen")
   with open(tmp_path / "out" / "results.csv") as f:
     rows = {r["cell"]: r for r in csv.DictReader(f)}
-  assert set(rows) == {"method=trm_max_kl,seed=0"}
+  assert set(rows) == {"method=trm_max_kl,seed=0", "method=frozen,seed=0"}
   assert rows["method=trm_max_kl,seed=0"]["rl.objective"] == "trm_surrogate"
   assert rows["method=trm_max_kl,seed=0"]["trm.criteria"] == "trm_max_kl"
+  assert rows["method=frozen,seed=0"]["optim.lr"] == "0.0"
   for f in ("curves.png", "reject_by_length.png"):
     assert os.path.getsize(tmp_path / "out" / f) > 0
   summary = (tmp_path / "out" / "summary.md").read_text()
   assert summary in out
-  for m in ("trm_max_kl",):
-    line = next(l for l in summary.splitlines() if l.startswith(f"| {m} |"))
-    assert line.split(" | ")[2] == f"{_last_reward(tmp_path, f'method={m},seed=0'):.3f}"
+  trm_f, trm_l = _first_last_reward(tmp_path, "method=trm_max_kl,seed=0")
+  ctl_f, ctl_l = _first_last_reward(tmp_path, "method=frozen,seed=0")
+  assert _cell(summary, "trm_max_kl", 2) == f"{trm_l:.3f}"
+  # The control-adjusted change is recomputed from both cells' own metrics.
+  assert _cell(summary, "trm_max_kl", 3) == f"{(trm_l - trm_f) - (ctl_l - ctl_f):.3f}"
+  # Held-out avg@k at step 0 is the same base policy with the same sampling key for every
+  # method; the frozen control's never moves (AdamW at lr 0 leaves it bitwise unchanged).
+  assert _cell(summary, "trm_max_kl", 4) == _cell(summary, "frozen", 4) \
+      == _cell(summary, "frozen", 5)
+  assert rows["method=frozen,seed=0"]["eval_first/avg@4"] == \
+      rows["method=frozen,seed=0"]["eval/avg@4"]
   assert "## The paper's claims on these runs" in summary
 
 
@@ -70,7 +85,8 @@ def test_smd_compression_end_to_end(tmp_path):
   summary = (tmp_path / "out" / "summary.md").read_text()
   section = summary.split("## Training reward")[1].split("##")[0]
   smd = next(l for l in section.splitlines() if l.startswith("| smd@0.1 |"))
-  assert smd.split(" | ")[1].rstrip(" |") == f"{_last_reward(tmp_path, 'method=smd_0.1,h2o_0.5,seed=0'):.3f}"
+  assert smd.split(" | ")[1].rstrip(" |") == \
+      f"{_first_last_reward(tmp_path, 'method=smd_0.1,h2o_0.5,seed=0')[1]:.3f}"
   # SMD replays the eviction record: its residual mismatch is rounding; naive's is not.
   mism = summary.split("## Residual mismatch")[1].split("##")[0]
   val = lambda m: float(next(l for l in mism.splitlines()
