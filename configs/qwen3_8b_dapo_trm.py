@@ -4,9 +4,12 @@ r"""The TRM paper's run: Qwen3-8B on DAPO-Math-17k with TRM-max, evaluated avg@3
       --config.model.path=/ckpt/Qwen3-8B --config.task.path=/data/dapo-math-17k.parquet \
       --config.task.eval_path=/data/aime25.jsonl
 
-Settings from the paper's experimental section: group 16, batch 32 prompts, lr 1e-6,
-top-p 0.95, temperature 1.0. The sampler runs in bf16 (the realistic source of pi_roll !=
-pi_theta together with staleness). Needs an accelerator pod; nothing here runs on CPU.
+Settings from the paper's experimental section: group 16, batch 32 prompts, lr 1e-6;
+evaluation at top-p 0.95, temperature 1.0 (the paper states these for evaluation). Training
+rollouts are untruncated (top-p 1): a nucleus cut changes pi_roll by up to -log(top_p) nats
+per token (0.051 at 0.95), which TRM-max at delta = 0.05 would count as mismatch and reject.
+The sampler runs in bf16 (the realistic source of pi_roll != pi_theta together with
+staleness). Needs an accelerator pod; nothing here runs on CPU.
 """
 import os
 import sys
@@ -21,6 +24,8 @@ def get_config(arg=None):
   c.eval_every = 50
   c.eval_problems = 30               # AIME25 has 30 problems
   c.eval_samples = 32                # avg@32
+  c.eval_temperature = 1.0
+  c.eval_top_p = 0.95
   c.ckpt_every = 25
   c.keep_ckpts = 3
 
@@ -35,7 +40,7 @@ def get_config(arg=None):
   c.rollout.dtype = "bfloat16"
   c.rollout.logit_noise = 0.0
   c.rollout.temperature = 1.0
-  c.rollout.top_p = 0.95
+  c.rollout.top_p = 1.0              # untruncated: see the module docstring
   c.rollout.keep_full_logprobs = False   # V = 151,936: keep top-k (a lower bound on KL/TV)
   c.rollout.keep_topk_logprobs = 20
 

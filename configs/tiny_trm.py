@@ -21,8 +21,11 @@ def get_config(arg=None):
   c.eval_every = 50                # held-out evaluation at step 0 and every k steps (eval/*
                                    #   in metrics.jsonl); 0 = only at the end
   c.eval_problems = 64             # held-out problems per evaluation (0 = no evaluation)
-  c.eval_samples = 4               # greedy accuracy, and for k > 1 also avg@k and pass@k at
-                                   #   the rollout temperature / top-p (fixed sampling key)
+  c.eval_samples = 4               # greedy accuracy, and for k > 1 also avg@k and pass@k
+                                   #   (fixed sampling key) at:
+  c.eval_temperature = 1.0         #   evaluation sampling temperature
+  c.eval_top_p = 1.0               #   evaluation nucleus (papers often evaluate at 0.95 while
+                                   #   their training rollouts are untruncated)
   c.ckpt_every = 50                # orbax checkpoint cadence (steps)
   c.keep_ckpts = 2                 # checkpoints kept
   c.export_hf = True               # write the final policy as an HF checkpoint (workdir/hf)

@@ -1,6 +1,7 @@
 """Experiment configs: every shipped config validates, the two paper-scale configs are
 consistent with their architectures (abstract shapes, nothing allocated), and bad overrides
 fail before any work with a message naming the key."""
+import logging
 import os
 import subprocess
 import sys
@@ -115,11 +116,14 @@ def test_cli_rejects_inconsistent_batch_before_any_work(tmp_path):
     ("rollout.top_p", 0.0, "rollout.top_p"),
     ("rl.num_microbatches", 3, "num_microbatches"),
     ("trm.criteria", ("trm_max_kl_typo",), "unknown criterion"),
+    ("eval_top_p", 1.5, "eval_top_p"),
+    ("eval_every", -1, "eval_every"),
+    ("log_every", 0, "log_every"),
 ])
 def test_validate_names_the_key(key, value, msg):
   c = _load("tiny_trm.py")
-  section, field = key.split(".")
-  c[section][field] = value
+  *section, field = key.split(".")
+  (c[section[0]] if section else c)[field] = value
   with pytest.raises(config_lib.ConfigError, match=msg):
     config_lib.validate(c)
 
@@ -137,3 +141,22 @@ def test_divergence_criteria_need_rollout_distribution():
   c.rollout.keep_topk_logprobs = 0
   with pytest.raises(config_lib.ConfigError, match="rollout.keep_full_logprobs"):
     config_lib.validate(c)
+
+
+def test_truncated_rollouts_under_trm_are_warned_about(caplog):
+  # The learner scores the untruncated pi_theta: a nucleus cut of 0.95 alone can reach
+  # -log(0.95) = 0.0513 nats per token, above the 8B config's trm.delta = 0.05.
+  c = _load("qwen3_8b_dapo_trm.py")
+  assert c.rollout.top_p == 1.0 and c.eval_top_p == 0.95  # the paper's 0.95 is for evaluation
+  with caplog.at_level(logging.WARNING, logger="trm_jax.train"):
+    train.warn_truncation(c)
+    assert not caplog.records
+    c.rollout.top_p = 0.95
+    train.warn_truncation(c)
+  assert len(caplog.records) == 1
+  msg = caplog.records[0].getMessage()
+  assert "top_p=0.95 (up to 0.0513 nats per token)" in msg and "trm.delta=0.05" in msg
+  caplog.clear()
+  c.trm.criteria = ()
+  train.warn_truncation(c)  # no TRM: nothing measures the truncation, nothing to warn about
+  assert not caplog.records

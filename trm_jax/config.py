@@ -101,4 +101,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
                f"criterion {name!r} needs the rollout's distribution: keep full or top-k "
                "log-probs")
   _require(0.0 < c.rollout.top_p <= 1.0, ["rollout.top_p"], "must be in (0, 1]")
+  _require(0.0 < c.eval_top_p <= 1.0, ["eval_top_p"], "must be in (0, 1]")
+  _require(c.eval_temperature > 0.0, ["eval_temperature"], "must be > 0")
   _require(c.rollout.temperature > 0.0, ["rollout.temperature"], "must be > 0")

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import resource
 import sys
@@ -109,6 +110,21 @@ def learner_config(c: ml_collections.ConfigDict, max_len: int) -> LearnerConfig:
                        num_microbatches=r.num_microbatches, chunk=r.chunk,
                        attn_impl=c.model.attn_impl, temperature=float(c.rollout.temperature),
                        kl_beta=float(c.rl.kl_beta))
+
+
+def warn_truncation(c: ml_collections.ConfigDict) -> None:
+  """The learner scores the untruncated pi_theta, so a sampler nucleus / top-k cut is mismatch
+  that TRM measures: per token up to -log(top_p) nats of KL(pi_roll || pi_theta) from top-p
+  alone. Say so when that can reach the masking threshold."""
+  r = c.rollout
+  if not c.trm.criteria or (r.top_p >= 1.0 and r.top_k <= 0):
+    return
+  cut = f"top_p={r.top_p} (up to {-math.log(r.top_p):.3g} nats per token)" if r.top_p < 1 \
+      else f"top_k={r.top_k}"
+  log.warning("rollout.%s truncates pi_roll; the learner scores the untruncated pi_theta, so "
+              "TRM (trm.criteria=%s, trm.delta=%s) counts the truncation as mismatch and may "
+              "reject sequences for it. Train with rollout.top_p=1.0, rollout.top_k=0 and set "
+              "eval_top_p for evaluation.", cut, tuple(c.trm.criteria), c.trm.delta)
 
 
 def cache_config(c: ml_collections.ConfigDict) -> CacheConfig:
@@ -302,6 +318,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, ba
   roll_dtype = _dtype(c.rollout.dtype, "rollout.dtype")
   lcfg = learner_config(c, max_len=N)
   cache = cache_config(c)
+  warn_truncation(c)
 
   # --- Optimizer and learner ----------------------------------------------------------------
   o = c.optim
@@ -478,9 +495,11 @@ def evaluate(c, graphdef, params, rest, task: Task, tok, mesh) -> dict:
   """Held-out evaluation in the learner dtype, with the dense cache and, when the rollouts
   are compressed, also with the rollout's cache policy (keys prefixed `compressed_`).
 
-  Always greedy accuracy; with eval_samples = k > 1 also k samples per problem at the rollout
-  temperature and top-p -> avg@k and unbiased pass@k (Chen et al. 2021) for k in {1, k}.
-  avg@k is what the training reward estimates, on fixed problems: the per-step reward mixes
+  Always greedy accuracy; with eval_samples = k > 1 also k samples per problem at
+  eval_temperature and eval_top_p -> avg@k and unbiased pass@k (Chen et al. 2021) for k in
+  {1, k}.
+  At the rollout's temperature and top-p (the tiny configs' defaults), avg@k is what the
+  training reward estimates, on fixed problems: the per-step reward mixes
   the policy's change with the difficulty of that step's few prompts. The sampling key is the
   same at every evaluation, so two evaluations differ only by the policy. The compressed
   figure is the one a KV-compressed deployment sees, which SMD trains for (the dense one is
@@ -498,8 +517,8 @@ def evaluate(c, graphdef, params, rest, task: Task, tok, mesh) -> dict:
       pb = task.prompts(problems, n)
       ro = generate(model, shd.put_batch(pb.tokens, mesh), pb.lengths,
                     max_new_tokens=task.max_new_tokens, key=jax.random.key(c.seed + 3),
-                    greedy=n == 1, temperature=c.rollout.temperature, top_p=c.rollout.top_p,
-                    top_k=c.rollout.top_k, cache=cache)
+                    greedy=n == 1, temperature=c.eval_temperature, top_p=c.eval_top_p,
+                    cache=cache)
       correct = rewards_of(tok, ro, problems, pb.problem_ids, task.max_prompt_len) > 0.5
       if n == 1:
         out[prefix + "greedy_accuracy"] = float(correct.mean())
