@@ -184,6 +184,8 @@ def test_summary_reports_first_and_last_evaluation(tmp_path):
       "avg@4": {"first_step": 0, "first": 0.5, "last_step": 6, "last": 0.8},
       "greedy_accuracy": {"first_step": 3, "first": 0.3, "last_step": 6, "last": 0.6}}
   assert "held-out avg@4: 0.5000 (step 0) -> 0.8000 (step 6)" in format_summary(s)
+  s["evals"] = {"greedy_accuracy": {"first_step": 6, "first": 0.6, "last_step": 6, "last": 0.6}}
+  assert "held-out greedy_accuracy: 0.6000 (step 6)\n" in format_summary(s)
 
 
 def test_plot_is_a_png(tmp_path):

@@ -306,8 +306,9 @@ def format_summary(summary: dict) -> str:
       f"mean {s['last_mean']:.4f}  (change {s['delta']:+.4f}, over {s['num_steps']} steps)",
   ]
   for k, e in s.get("evals", {}).items():
-    lines.append(f"held-out {k}: {e['first']:.4f} (step {e['first_step']}) -> {e['last']:.4f} "
-                 f"(step {e['last_step']})")
+    last = f"{e['last']:.4f} (step {e['last_step']})"
+    lines.append(f"held-out {k}: " + (last if e["first_step"] == e["last_step"] else
+                                      f"{e['first']:.4f} (step {e['first_step']}) -> {last}"))
   if s["final"]:
     lines.append("final: " + "  ".join(f"{k}={v:.4g}" for k, v in s["final"].items()))
   return "\n".join(lines)
