@@ -368,7 +368,8 @@ def group_cells(cells: Sequence[Cell], over: str = "seed") -> dict[str, list[Cel
 def plot_grouped(workdir: str, keys: Sequence[str], out_png: str, *,
                  groups: Optional[Mapping[str, Sequence[Cell]]] = None,
                  window: int = 5) -> None:
-  """One panel per metric; per group the seed-mean rolling curve with a min-max band."""
+  """One panel per metric; per group the seed-mean rolling curve with a min-max band
+  (`eval/*` keys unsmoothed)."""
   # A bare Figure (Agg canvas) leaves pyplot's backend alone: notebooks keep inline plots.
   from matplotlib.figure import Figure
   if groups is None:
@@ -382,7 +383,9 @@ def plot_grouped(workdir: str, keys: Sequence[str], out_png: str, *,
       if not series:
         continue
       n = min(len(s) for s, _ in series)
-      ys = np.stack([rolling_mean(v[:n], window) for _, v in series])
+      # Evaluations are few and already averaged over problems: plotted as they are.
+      w = 1 if key.startswith("eval/") else window
+      ys = np.stack([rolling_mean(v[:n], w) for _, v in series])
       with np.errstate(all="ignore"):
         mean = np.nanmean(ys, axis=0)
       x = series[0][0][:n]
