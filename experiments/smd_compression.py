@@ -14,6 +14,8 @@ sequence's keys evicted by SnapKV / H2O / recent+sinks / random); the learner is
   smd         Shadow Mask Distillation: the learner replays the rollout's eviction record as
               attention visibility (ratio exactly 1) and distils from the dense stop-gradient
               teacher with weight lambda (0, 0.1 = the seed's default, 0.8)
+  frozen      control: the base policy on the same compressed rollouts, never updated
+              (lr 0); its accuracy is what training has to beat
 
 TRM masking is off in every run (the comparison is the SMD seed's); its divergence monitors
 still report the residual mismatch (trm/delta_hat = the largest token KL in the batch).
@@ -49,12 +51,15 @@ DENSE = {"smd.mode": "dense", "rollout.cache.policy": "none", "rollout.cache.rat
 
 
 def method_overrides(method: str) -> dict:
-  """'naive' | 'sparse_rl' | 'smd@<lambda>' -> config overrides."""
+  """'naive' | 'sparse_rl' | 'smd@<lambda>' | 'frozen' -> config overrides."""
+  if method == "frozen":  # AdamW at lr 0 leaves the parameters bitwise unchanged
+    return {"smd.mode": "naive", "optim.lr": 0.0}
   if method.startswith("smd@"):
     return {"smd.mode": "smd", "smd.lam": float(method[4:])}
   if method in ("naive", "sparse_rl"):
     return {"smd.mode": method}
-  raise ValueError(f"unknown method {method!r}; expected naive, sparse_rl or smd@<lambda>")
+  raise ValueError(f"unknown method {method!r}; expected naive, sparse_rl, smd@<lambda> or "
+                   "frozen")
 
 
 def build_cells(policies, ratios, methods, lambda_policies, lambdas, seeds, fixed):
@@ -162,6 +167,10 @@ def claims(stats: dict, methods, lambdas) -> list[str]:
     lines.append(f"- {what}: dense {report.finite_mean(dense[key]):.3f}; " +
                  ", ".join(f"{m} {v:.3f}" for m, v in per.items()) +
                  f" (mean over {len(settings)} policy x ratio settings).")
+    if key != "reward_last" and "frozen" in methods:
+      for m in (x for x in methods if x != "frozen"):
+        lines.append(f"  - {m} above the untrained policy (frozen): "
+                     f"{paired(m, 'frozen', key).verdict('higher')}.")
     if {"smd@0.1", "sparse_rl", "naive"} <= set(methods):
       lines.append(f"  - SMD above Sparse-RL: {paired('smd@0.1', 'sparse_rl', key).verdict('higher')}.")
       lines.append(f"  - SMD above naive: {paired('smd@0.1', 'naive', key).verdict('higher')}.")
@@ -235,7 +244,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--policies", default=",".join(POLICIES))
   p.add_argument("--ratios", default="0.5,0.7", help="fractions of keys evicted")
-  p.add_argument("--methods", default="naive,sparse_rl,smd@0.1")
+  p.add_argument("--methods", default="naive,sparse_rl,smd@0.1,frozen")
   p.add_argument("--lambdas", default="0,0.1,0.8", help="SMD lambda ablation")
   p.add_argument("--lambda-policies", default="h2o", help="policies the ablation runs on")
   p.add_argument("--skip-memory", action="store_true", help="do not compile for memory")
