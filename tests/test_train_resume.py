@@ -108,7 +108,7 @@ def reference(tmp):
   _train(tmp, workdir)
   recs = _metrics(workdir)
   # The runs below can only show a difference if the updates do something.
-  assert any(r["learner/grad_norm"] for r in recs), "all gradients zero: the test is vacuous"
+  assert any(r.get("learner/grad_norm") for r in recs), "all gradients zero: the test is vacuous"
   assert sorted(os.listdir(os.path.join(workdir, "ckpt"))) == ["4", "6"]
   return workdir
 
