@@ -115,7 +115,8 @@ def learner_config(c: ml_collections.ConfigDict, max_len: int) -> LearnerConfig:
 def warn_truncation(c: ml_collections.ConfigDict) -> None:
   """The learner scores the untruncated pi_theta, so a sampler nucleus / top-k cut is mismatch
   that TRM measures: per token up to -log(top_p) nats of KL(pi_roll || pi_theta) from top-p
-  alone. Say so when that can reach the masking threshold."""
+  alone. Say so whenever TRM is on with a truncating sampler (whether a given threshold is
+  reached depends on each step's distributions)."""
   r = c.rollout
   if not c.trm.criteria or (r.top_p >= 1.0 and r.top_k <= 0):
     return
