@@ -186,8 +186,9 @@ class MetricsLogger:
 # --- after the run ------------------------------------------------------------------------
 
 
-def _series(records: Iterable[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
-  """(steps, values) for records that carry `key`; null becomes NaN."""
+def series(records: Iterable[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+  """(steps, values) for records that carry `key`; null becomes NaN. Steps without the key
+  (the step-0 evaluation line, `log_every` > 1) are left out, not NaN."""
   pairs = [(r["step"], np.nan if r[key] is None else r[key]) for r in records if key in r]
   if not pairs:
     return np.zeros(0, np.int64), np.zeros(0, np.float64)
@@ -231,7 +232,7 @@ def plot_curves(metrics_jsonl_path: str, out_png: str,
   fig = Figure(figsize=(4.5 * ncols, 3.2 * nrows))
   axes = fig.subplots(nrows, ncols, squeeze=False)
   for ax, key in zip(axes.flat, present):
-    steps, values = _series(records, key)
+    steps, values = series(records, key)
     w = window or max(1, len(values) // 20)
     ax.plot(steps, values, alpha=0.3, lw=1, label="per step")
     ax.plot(steps, rolling_mean(values, w), lw=2, label=f"mean of last {w}")
@@ -260,7 +261,7 @@ def summarize(metrics_jsonl_path: str, key: str = "reward",
   difficulty that moves first_mean and last_mean.
   """
   records = read_metrics(metrics_jsonl_path)
-  steps, values = _series(records, key)
+  steps, values = series(records, key)
   ok = np.isfinite(values)
   steps, values = steps[ok], values[ok]
   if len(values) == 0:
@@ -271,13 +272,13 @@ def summarize(metrics_jsonl_path: str, key: str = "reward",
     final_keys = sorted({m for r in records for m in r} - set(_RESERVED))
   final = {}
   for m in final_keys:
-    _, vals = _series(records, m)
+    _, vals = series(records, m)
     vals = vals[np.isfinite(vals)]
     if len(vals):
       final[m] = float(vals[-1])
   evals = {}
   for m in sorted({m for r in records for m in r if m.startswith(eval_prefix)}):
-    e_steps, e_vals = _series(records, m)
+    e_steps, e_vals = series(records, m)
     ok = np.isfinite(e_vals)
     if ok.any():
       e_steps, e_vals = e_steps[ok], e_vals[ok]

@@ -40,7 +40,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from trm_jax import config as config_lib
-from trm_jax.metrics import read_metrics, rolling_mean
+from trm_jax.metrics import read_metrics, rolling_mean, series
 
 PLAN = "sweep.json"
 RESULTS = "results.csv"
@@ -276,9 +276,10 @@ def _run_cell(d: str) -> None:
 # --- Aggregation -------------------------------------------------------------------------------
 
 def span_seconds(workdir: str) -> float:
-  """Training span of the finished cells: first step's start to last step's end, from the
+  """Training span of the finished cells: first logged step to last step's end, from the
   steps' own wall-clock stamps, so a later re-aggregation or re-evaluation does not count.
-  Excludes process start-up, the final evaluations and the one-off base-model warm-up."""
+  Excludes process start-up and the one-off base-model warm-up; held-out evaluations inside
+  the run (`eval_every`, the last step's) are counted."""
   _, cells = load_plan(workdir)
   starts, ends = [], []
   for c in cells:
@@ -339,15 +340,9 @@ def aggregate(workdir: str, out_csv: Optional[str] = None) -> list[dict]:
 
 
 def curves(workdir: str, cell: Cell, key: str) -> tuple[np.ndarray, np.ndarray]:
-  """(steps, values) of one metric of one cell, over the steps that logged it (null -> NaN).
-
-  Steps without the key (the step-0 evaluation line, `log_every` > 1) are left out, not NaN:
-  a leading NaN would blank the start of every seed-mean curve."""
-  records = read_metrics(os.path.join(cell_dir(workdir, cell), "metrics.jsonl"))
-  records = [r for r in records if key in r]
-  steps = np.array([r["step"] for r in records], np.int64)
-  vals = np.array([np.nan if r[key] is None else r[key] for r in records], float)
-  return steps, vals
+  """(steps, values) of one metric of one cell, over the steps that logged it (null -> NaN;
+  a leading NaN for the step-0 evaluation line would blank every seed-mean curve's start)."""
+  return series(read_metrics(os.path.join(cell_dir(workdir, cell), "metrics.jsonl")), key)
 
 
 def group_cells(cells: Sequence[Cell], over: str = "seed") -> dict[str, list[Cell]]:
@@ -379,18 +374,18 @@ def plot_grouped(workdir: str, keys: Sequence[str], out_png: str, *,
   axes = fig.subplots(1, len(keys), squeeze=False)
   for ax, key in zip(axes[0], keys):
     for label, members in groups.items():
-      series = [curves(workdir, c, key) for c in members if is_done(workdir, c)]
-      if not series:
+      runs = [curves(workdir, c, key) for c in members if is_done(workdir, c)]
+      if not runs:
         continue
-      n = min(len(s) for s, _ in series)
+      n = min(len(s) for s, _ in runs)
       # Evaluations are few and already averaged over problems: plotted as they are.
       w = 1 if key.startswith("eval/") else window
-      ys = np.stack([rolling_mean(v[:n], w) for _, v in series])
+      ys = np.stack([rolling_mean(v[:n], w) for _, v in runs])
       with np.errstate(all="ignore"):
         mean = np.nanmean(ys, axis=0)
-      x = series[0][0][:n]
+      x = runs[0][0][:n]
       line, = ax.plot(x, mean, lw=1.6, label=label)
-      if len(series) > 1:
+      if len(runs) > 1:
         ax.fill_between(x, np.nanmin(ys, 0), np.nanmax(ys, 0), color=line.get_color(),
                         alpha=0.15)
     ax.set_title(key)
