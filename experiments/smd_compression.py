@@ -217,8 +217,8 @@ def write_summary(out: str, stats: dict, methods, lambdas, memory: dict, args,
       "# SMD under KV-cache compression",
       f"{len(stats)} settings x {n_seeds} seed(s), {args.steps} RL steps each, lr {args.lr}; "
       f"config `configs/tiny_smd.py`, TRM masking off. Training span {wall_s / 60:.1f} min "
-      "(first step to last step, 2 runs at a time; start-up, evaluation and the base-model "
-      "warm-up extra).",
+      "(first step to the end of the last, which carries the final evaluation; 2 runs at a "
+      "time; start-up and the base-model warm-up extra).",
       "## Training reward on the (compressed) rollouts, last 10 % of steps",
       table("reward_last"),
       "## Held-out greedy accuracy after training, with the rollout's compressed cache",

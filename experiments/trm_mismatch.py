@@ -208,8 +208,9 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
       f"Held-out: {args.eval_problems} problems, avg@{args.eval_samples} at the rollout "
       "temperature and greedy accuracy. `change - control`: the run's reward change (last - "
       "first 10 % of steps) minus the frozen control's for the same seed. "
-      f"Values are mean ± std over seeds. Training span {wall_s / 60:.1f} min (first step "
-      "to last step, 2 runs at a time; start-up, evaluation and the base-model warm-up extra).",
+      f"Values are mean ± std over seeds. Training span {wall_s / 60:.1f} min (from the end "
+      "of the step-0 evaluation to the end of the last step, which carries the final "
+      "evaluation; 2 runs at a time; start-up and the base-model warm-up extra).",
       report.markdown_table(header, rows),
       "Rejection rate by response length (sequence-level methods; pooled over steps):",
       report.markdown_table(["method"] + [f"{b.replace('_', '-')} tokens" for b in names],
