@@ -84,7 +84,8 @@ def learner_memory(methods, fixed: dict) -> dict:
   import optax
   from flax import nnx
   from trm_jax import train, warmup
-  from trm_jax.models import from_pretrained, load_tokenizer
+  from trm_jax.data import load_tokenizer
+  from trm_jax.models import from_pretrained
   from trm_jax.rl.learner import LearnerBatch, make_learner
   out = {}
   for m in methods:

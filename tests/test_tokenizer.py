@@ -12,7 +12,7 @@ import sentencepiece as spm
 from tokenizers import Tokenizer as HFTok
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from trm_jax.models.tokenizer import load_tokenizer, pad_sequences
+from trm_jax.data.tokenizer import load_tokenizer, pad_sequences
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -243,7 +243,7 @@ def test_bad_checkpoints(hf_dir, tmp_path):
 
 
 def test_package_never_imports_torch_or_transformers():
-  code = ("import sys, trm_jax.models.tokenizer, trm_jax.data, datasets; "
+  code = ("import sys, trm_jax.data.tokenizer, trm_jax.data, datasets; "
           "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
           "assert not bad, bad")
   env = {k: v for k, v in os.environ.items()}

@@ -1,5 +1,6 @@
 """Tasks, rewards and evaluation: synthetic running sums, GSM8K / DAPO-Math / AIME files, the
-math reward, avg@k / pass@k, and the batching that turns problems into padded int32 arrays."""
+math reward, avg@k / pass@k, the tokenizer, and the batching that turns problems into padded
+int32 arrays."""
 from trm_jax.data.batching import (PromptBatch, SFTBatch, encode_prompt, make_prompt_batch,
                                    make_sft_batch)
 from trm_jax.data.evaluation import avg_at_k, pass_at_k, pass_at_k_per_problem, summarize
@@ -11,3 +12,4 @@ from trm_jax.data.synthetic import (SyntheticConfig, make_synthetic_tokenizer,
                                     max_completion_chars, max_completion_tokens,
                                     max_prompt_chars, max_prompt_tokens, problem_at,
                                     problem_batch)
+from trm_jax.data.tokenizer import Tokenizer, load_tokenizer, pad_sequences

@@ -12,7 +12,7 @@ import numpy as np
 from flax import struct
 
 from trm_jax.data.problem import Problem
-from trm_jax.models.tokenizer import Tokenizer, pad_sequences
+from trm_jax.data.tokenizer import Tokenizer, pad_sequences
 
 
 @struct.dataclass

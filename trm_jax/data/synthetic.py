@@ -40,7 +40,7 @@ import os
 import numpy as np
 
 from trm_jax.data.problem import Problem
-from trm_jax.models.tokenizer import Tokenizer, load_tokenizer
+from trm_jax.data.tokenizer import Tokenizer, load_tokenizer
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 # Every character the task can write, plus "\boxed{}" spelled out; fixed so one tokenizer serves

@@ -7,8 +7,6 @@
 from trm_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from trm_jax.models.decoder import Decoder, default_positions, make_test_model
 from trm_jax.models.hf_io import from_pretrained, save_pretrained
-from trm_jax.models.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig", "Decoder", "default_positions",
-           "make_test_model", "from_pretrained", "save_pretrained", "Tokenizer",
-           "load_tokenizer"]
+           "make_test_model", "from_pretrained", "save_pretrained"]

@@ -21,6 +21,23 @@ rendered text equals `AutoTokenizer.apply_chat_template(..., tokenize=False)`. T
 from `chat_template.jinja` if present, else tokenizer_config's `chat_template` (a string or a list
 of named templates). This module never imports torch or transformers.
 
+Why a re-implementation instead of wrapping a library. `AutoTokenizer` (transformers) does all
+of this, but transformers is only a test dependency here, and with torch installed importing
+it pulls torch into the JAX process (seconds of import and its memory); the test suite uses it
+as the reference, so every behaviour below is checked against it. The libraries this module
+does use each give one part:
+  * `tokenizers` reads tokenizer.json: encode/decode and the added tokens stored in the file.
+    It does not know which token is eos, pad or bos (tokenizer_config.json,
+    special_tokens_map.json, generation_config.json say that), nor chat templates.
+  * `sentencepiece` reads tokenizer.model: encode/decode of its pieces. It never matches
+    control pieces (<s>, </s>) written in text, and tokenizer_config's added tokens
+    (`<|im_end|>` beyond the model's pieces) do not exist for it.
+  * chat templates live in tokenizer_config.json or chat_template.jinja and need jinja2 set up
+    as transformers sets it up (sandbox, trim/lstrip blocks, its `tojson`, `raise_exception`,
+    `{% generation %}`), with the named special tokens as variables.
+What is left to write is that glue: the special-id resolution, the sentencepiece special-string
+split, and the template environment, about 400 lines with `check_tokenizer_fits` and padding.
+
 Deviations from transformers:
   * `{% generation %}` blocks render their body; assistant-token masks are not computed.
   * sentencepiece: text is split on the special-token strings (bos/eos/pad/unk and
