@@ -31,6 +31,34 @@ def test_make_mesh_axes_are_auto(mesh):
     shd.make_mesh({"data": 4, "tensor": 4})
   with pytest.raises(ValueError, match="unknown mesh axes \\['model'\\]"):
     shd.make_mesh({"model": 2})
+  # An explicit device list (here the last four, reversed) is used as given on CPU.
+  devs = jax.devices()[4:8][::-1]
+  sub = shd.make_mesh({"fsdp": 2, "tensor": 2}, devs)
+  assert list(sub.devices.flat) == devs
+  assert all(t == AxisType.Auto for t in sub.axis_types)
+  with pytest.raises(ValueError, match="needs 4 devices, got 3"):
+    shd.make_mesh({"fsdp": 2, "tensor": 2}, devs[:3])
+
+
+def test_opt_state_shardings_follow_params_scalars_replicated(mesh):
+  from trm_jax.rl import optim
+  model = shd.shard_model(make_test_model(), mesh)
+  params = nnx.state(model, nnx.Param)
+  tx = optim.make_optimizer(lr=1e-2, warmup_steps=1, total_steps=10, weight_decay=0.01,
+                            b1=0.9, b2=0.99, eps=1e-3, clip_norm=1.0, min_lr_ratio=0.1)
+  opt_sh = shd.opt_state_shardings(tx, params, mesh)
+  state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+  param_sh = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, params))
+  adam = state[1][0]  # chain(clip, adamw): adamw = chain(scale_by_adam, decay, schedule)
+  for moments in (adam.mu, adam.nu):
+    got = [x.sharding for x in jax.tree.leaves(moments)]
+    assert got == param_sh
+  assert any(s.spec != P() for s in param_sh)  # the test model really is sharded
+  replicated = NamedSharding(mesh, P())
+  assert adam.count.sharding == replicated
+  assert state[1][-1].count.sharding == replicated  # the schedule's step count
+  n_param_leaves = 2 * len(param_sh)
+  assert len(jax.tree.leaves(state)) == n_param_leaves + 2
 
 
 def test_spec_rules(mesh):

@@ -18,6 +18,7 @@ from typing import Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -60,7 +61,7 @@ LOGICAL_AXES_KEY = "logical_axes"  # nnx.Param metadata key
 
 def make_mesh(axis_sizes: Union[Mapping[str, int], Sequence[int]],
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh with Auto axis types.
+  """A (data, fsdp, tensor) mesh with Auto axis types, devices in topology order.
 
   Args:
     axis_sizes: {"fsdp": 2, "tensor": 4} (missing axes get size 1) or a 3-sequence of sizes
@@ -81,10 +82,11 @@ def make_mesh(axis_sizes: Union[Mapping[str, int], Sequence[int]],
   if len(devices) != n:
     raise ValueError(f"mesh shape {dict(zip(MESH_AXES, shape))} needs {n} devices, "
                      f"got {len(devices)}")
-  # Auto axes: shardings propagate through jit; Explicit (jax.make_mesh's default) would make
-  # every op's output sharding part of its type, which this code base does not use.
-  return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES,
-              axis_types=(AxisType.Auto,) * len(MESH_AXES))
+  # jax.make_mesh orders the devices by the physical topology (rings on TPU). Auto axes:
+  # shardings propagate through jit; Explicit (its default) would make every op's output
+  # sharding part of its type, which this code base does not use.
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
 
 
 def spec_for(axes: Sequence[Optional[str]], *, shape: Optional[Sequence[int]] = None,
@@ -250,10 +252,25 @@ def put_batch(tree, mesh: Mesh, rules: Optional[Rules] = None):
   return jax.tree.map(one, tree)
 
 
+def opt_state_shardings(tx: optax.GradientTransformation, params, mesh: Mesh):
+  """Shardings for `tx.init(params)`: every copy of the parameter tree inside the optimizer
+  state (AdamW's mu and nu) takes the parameters' shardings, every other leaf (step counts)
+  is replicated over `mesh`.
+
+  `params` holds jax.Arrays or ShapeDtypeStructs with shardings. optax finds the parameter
+  copies by initialising `tx` on a placeholder tree, so a moment is recognised by where it
+  sits in the state, not by its shape.
+  """
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return optax.tree_map_params(tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params),
+                               params, transform_non_params=lambda _: replicated)
+
+
 def mirror_shardings(abstract_tree, params, mesh: Mesh):
-  """Shardings for an optimizer state: a leaf whose key path ends with a parameter's key path
-  and has its shape (AdamW's mu / nu) gets that parameter's sharding; anything else (step
-  counts, scalars) is replicated over `mesh`.
+  """Superseded by `opt_state_shardings`; kept while the trainer still calls it.
+
+  A leaf whose key path ends with a parameter's key path and has its shape gets that
+  parameter's sharding; anything else is replicated over `mesh`.
   """
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
   by_path = {jax.tree_util.keystr(p): (x.shape, x.sharding) for p, x in flat}
