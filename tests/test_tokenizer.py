@@ -12,7 +12,8 @@ import sentencepiece as spm
 from tokenizers import Tokenizer as HFTok
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from trm_jax.data.tokenizer import load_tokenizer, pad_sequences
+from trm_jax.data.tokenizer import (TokenizerMismatchError, check_tokenizer_fits,
+                                    load_tokenizer, pad_sequences)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -240,6 +241,47 @@ def test_bad_checkpoints(hf_dir, tmp_path):
   _write_json(d / "generation_config.json", {"eos_token_id": 10**6})
   with pytest.raises(ValueError, match="eos id 1000000 is outside the vocabulary"):
     load_tokenizer(str(d))
+
+
+def test_tokenizer_must_fit_the_model(hf_dir, tmp_path):
+  """A checkpoint written by transformers with vocab_size 128 cannot take the 320-id BPE
+  tokenizer; one with exactly max_id + 1 rows can (the bound is strict, ids < vocab_size)."""
+  from hf_fixtures import make_hf_checkpoint  # pylint: disable=g-import-not-at-top (torch)
+  tok = load_tokenizer(str(hf_dir))
+  raw = HFTok.from_file(str(hf_dir / "tokenizer.json"))
+  assert tok.max_id == max(raw.get_vocab(with_added_tokens=True).values()) == 319
+
+  def model_vocab(n):
+    make_hf_checkpoint(str(tmp_path / f"v{n}"), "qwen3_tied", vocab_size=n)
+    return json.loads((tmp_path / f"v{n}" / "config.json").read_text())["vocab_size"]
+
+  small = model_vocab(128)
+  with pytest.raises(TokenizerMismatchError,
+                     match=f"tokenizer at {hf_dir} \\(tokenizer.json\\) has largest token id "
+                           "319, but the model's vocab_size is 128"):
+    check_tokenizer_fits(tok, small)
+  check_tokenizer_fits(tok, model_vocab(320))
+
+
+def test_tokenizer_fit_names_added_special_ids(sp_dir, tmp_path):
+  """sentencepiece with tokenizer_config added tokens past its pieces: the pad id is named."""
+  d = tmp_path / "sp_added"
+  d.mkdir()
+  (d / "tokenizer.model").write_bytes((sp_dir / "tokenizer.model").read_bytes())
+  n = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model")).get_piece_size()
+  _write_json(d / "tokenizer_config.json", {
+      "bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
+      "added_tokens_decoder": {str(n): {"content": "<|im_end|>", "special": True},
+                               str(n + 1): {"content": "<|pad|>", "special": True}}})
+  tok = load_tokenizer(str(d))
+  assert tok.max_id == n + 1
+  with pytest.raises(TokenizerMismatchError, match=f"has pad id {n + 1}, but the model's "
+                                                   f"vocab_size is {n + 1}"):
+    check_tokenizer_fits(tok, n + 1)
+  with pytest.raises(TokenizerMismatchError, match=f"has eos id {n}, but the model's "
+                                                   f"vocab_size is {n}"):
+    check_tokenizer_fits(tok, n)
+  check_tokenizer_fits(tok, n + 2)
 
 
 def test_package_never_imports_torch_or_transformers():

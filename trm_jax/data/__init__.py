@@ -8,8 +8,9 @@ from trm_jax.data.loaders import (DEFAULT_INSTRUCTION, load_aime, load_dapo_math
                                   load_problems)
 from trm_jax.data.problem import Problem
 from trm_jax.data.rewards import answers_match, extract_answer, math_reward
-from trm_jax.data.synthetic import (SyntheticConfig, make_synthetic_tokenizer,
-                                    max_completion_chars, max_completion_tokens,
-                                    max_prompt_chars, max_prompt_tokens, problem_at,
-                                    problem_batch)
-from trm_jax.data.tokenizer import Tokenizer, load_tokenizer, pad_sequences
+from trm_jax.data.synthetic import (SyntheticConfig, longest_prompt_problem,
+                                    make_synthetic_tokenizer, max_completion_chars,
+                                    max_completion_tokens, max_prompt_chars, max_prompt_tokens,
+                                    problem_at, problem_batch)
+from trm_jax.data.tokenizer import (Tokenizer, TokenizerMismatchError, check_tokenizer_fits,
+                                    load_tokenizer, pad_sequences)

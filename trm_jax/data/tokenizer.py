@@ -104,6 +104,10 @@ class _HFBackend:
     self.tok = tokenizers.Tokenizer.from_file(file)
     self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
 
+  def max_id(self) -> int:
+    # Not vocab_size - 1: added tokens may sit at arbitrary ids, leaving holes.
+    return max(self.tok.get_vocab(with_added_tokens=True).values())
+
   def token_to_id(self, token: str) -> Optional[int]:
     return self.tok.token_to_id(token)
 
@@ -146,6 +150,9 @@ class _SPBackend:
     # Longest first, so "<|im_end|>" wins over a prefix of it.
     alts = sorted(self.special, key=len, reverse=True)
     self._split_re = re.compile("(" + "|".join(re.escape(a) for a in alts) + ")")
+
+  def max_id(self) -> int:
+    return max([self.n_pieces - 1, *self.special.values()])
 
   def token_to_id(self, token: str) -> Optional[int]:
     if token in self.special:
@@ -262,6 +269,11 @@ class Tokenizer:
     return self.backend.vocab_size
 
   @property
+  def max_id(self) -> int:
+    """The largest id `encode` can return (pieces, added and special tokens)."""
+    return self.backend.max_id()
+
+  @property
   def kind(self) -> str:
     return "tokenizer.json" if isinstance(self.backend, _HFBackend) else "sentencepiece"
 
@@ -357,6 +369,30 @@ def pad_sequences(ids: Sequence[Sequence[int]], pad_id: int, *, padding_side: st
       else:
         tokens[b, :len(seq)] = seq
   return tokens, lengths
+
+
+class TokenizerMismatchError(ValueError):
+  """The tokenizer can produce an id the model has no embedding row for."""
+
+
+def check_tokenizer_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
+  """Raises `TokenizerMismatchError` unless every id `tokenizer` can produce is < `vocab_size`.
+
+  `vocab_size` is the model's (config.json `vocab_size`: its embedding and lm_head rows). A
+  model may have more rows than the tokenizer has tokens (Qwen pads its vocabulary to a
+  multiple of 128), never fewer: an id past the table embeds as NaN (`jnp.take` fills
+  out-of-range rows) rather than failing, and an eos past it can never be sampled. Checked:
+  every piece, added and special token (`max_id`), and the bos, eos, pad and stop ids.
+  """
+  named = [("eos id", tokenizer.eos_id), ("pad id", tokenizer.pad_id),
+           ("bos id", tokenizer.bos_id), *(("stop id", i) for i in tokenizer.stop_ids),
+           ("largest token id", tokenizer.max_id)]
+  for what, idx in named:
+    if idx is not None and idx >= vocab_size:
+      raise TokenizerMismatchError(
+          f"tokenizer at {tokenizer.path} ({tokenizer.kind}) has {what} {idx}, but the model's "
+          f"vocab_size is {vocab_size}: ids must be < {vocab_size}; the tokenizer does not "
+          "belong to this model")
 
 
 def load_tokenizer(path: str) -> Tokenizer:
