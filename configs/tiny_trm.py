@@ -52,12 +52,18 @@ def get_config(arg=None):
   c.task = ml_collections.ConfigDict()
   c.task.name = "synthetic"        # synthetic | gsm8k | dapo_math | aime
   c.task.path = ""                 # local jsonl/parquet file for the file-based tasks
-  c.task.eval_path = ""            # held-out file (file-based tasks)
+  c.task.eval_path = ""            # held-out file (file-based tasks); "" = hold out
+                                   #   eval_problems rows of task.path (a fixed-seed choice,
+                                   #   trm_jax/data/task.py) that training never draws
+  c.task.eval_name = ""            # format of eval_path: gsm8k | dapo_math | aime; "" = the
+                                   #   same as task.name (dapo_math training, aime evaluation)
   c.task.synthetic = ml_collections.ConfigDict(dict(
       min_operands=2, max_operands=6, min_value=1, max_value=19, allow_subtraction=False,
       show_every=1, answer_format="####", filler=0))
-  c.task.max_prompt_len = 0        # 0 = derived from the synthetic task
-  c.task.max_new_tokens = 0        # 0 = derived from the synthetic task
+  c.task.max_prompt_len = 0        # 0 = derived from the synthetic task (its longest
+                                   #   chat-formatted prompt); file tasks must set it
+  c.task.max_new_tokens = 0        # 0 = derived from the synthetic task (its longest
+                                   #   solution + <eos>); file tasks must set it
 
   # Rollout
   c.rollout = ml_collections.ConfigDict()

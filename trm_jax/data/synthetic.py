@@ -39,6 +39,7 @@ import os
 
 import numpy as np
 
+from trm_jax.data.batching import make_prompt_batch
 from trm_jax.data.problem import Problem
 from trm_jax.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -133,7 +134,7 @@ def problem_batch(config: SyntheticConfig, seed: int, start: int, n: int) -> lis
 def max_completion_chars(config: SyntheticConfig) -> int:
   """An upper bound on len(solution) (one token per character with the synthetic tokenizer).
 
-  The trainer sizes max_new_tokens from this (+1 for <eos>). Exact for addition-only configs
+  `max_completion_tokens` adds the <eos>. Exact for addition-only configs
   (all operands at max_value with max_operands is the longest case); with subtraction every
   number is bounded by the same magnitude plus a sign character.
   """
@@ -158,13 +159,20 @@ def max_prompt_chars(config: SyntheticConfig) -> int:
       - 2 * config.filler
 
 
-def max_prompt_tokens(config: SyntheticConfig, tokenizer: Tokenizer) -> int:
-  """Exact maximum prompt length in tokens: the widest problem rendered through the chat
-  template with its generation prompt (sizes the sampler's static prompt width)."""
+def longest_prompt_problem(config: SyntheticConfig) -> Problem:
+  """A problem with the longest prompt the config can draw: max_operands operands, all
+  max_value (a point of `problem_at`'s support; "-" is as wide as "+")."""
   n = config.max_operands
-  worst = format_problem(config, [config.max_value] * n, ["+"] * (n - 1))
-  return len(tokenizer.apply_chat_template(worst.messages(), add_generation_prompt=True,
-                                           tokenize=True))
+  return format_problem(config, [config.max_value] * n, ["+"] * (n - 1))
+
+
+def max_prompt_tokens(config: SyntheticConfig, tokenizer: Tokenizer) -> int:
+  """Prompt length in tokens of `longest_prompt_problem`, tokenized by `make_prompt_batch`
+  (the chat template with its generation prompt, as the trainer builds prompts). Exact for
+  the synthetic tokenizer (one token per character); sizes the sampler's static prompt width.
+  """
+  batch = make_prompt_batch(tokenizer, [longest_prompt_problem(config)], 1)
+  return int(batch.lengths[0])
 
 
 def max_completion_tokens(config: SyntheticConfig) -> int:

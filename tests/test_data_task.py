@@ -1,0 +1,179 @@
+"""Task: held-out problems training never sees, a separate evaluation format, and the
+synthetic task's sampler lengths derived from its own tokenized worst case."""
+import dataclasses
+import json
+import os
+
+import ml_collections
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from trm_jax import config as config_lib
+from trm_jax.data import synthetic
+from trm_jax.data.batching import make_prompt_batch
+from trm_jax.data.task import Task, holdout_split
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+  return synthetic.make_synthetic_tokenizer(str(tmp_path_factory.mktemp("syn_tok")))
+
+
+def _task_config(**kw) -> ml_collections.ConfigDict:
+  c = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py")).task
+  c.update(kw)
+  return c
+
+
+def _write_jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+  return str(path)
+
+
+def _gsm8k_rows(n):
+  return [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}
+          for i in range(n)]
+
+
+# ------------------------------------------------------------------------ synthetic sizes
+@pytest.mark.parametrize("name,P,R", [("tiny_trm.py", 23, 55), ("tiny_smd.py", 43, 55)])
+def test_derived_sizes_of_the_tiny_configs_are_unchanged(tok, name, P, R):
+  """The derived lengths equal what the trainer used before they were derived (prompt chars +
+  6 template tokens, solution chars + <eos>), so the tiny runs compile the same shapes."""
+  c = config_lib.load_config(os.path.join(ROOT, "configs", name))
+  task = Task(c.task, c.seed, tok, c.eval_problems)
+  syn = synthetic.SyntheticConfig(**c.task.synthetic.to_dict())
+  assert (task.max_prompt_len, task.max_new_tokens) == (P, R)
+  assert (P, R) == (synthetic.max_prompt_chars(syn) + 6, synthetic.max_completion_chars(syn) + 1)
+
+
+SYN = st.builds(
+    lambda lo, extra, vmin, vmax_extra, sub, show, fmt, filler: dict(
+        min_operands=lo, max_operands=lo + extra, min_value=vmin, max_value=vmin + vmax_extra,
+        allow_subtraction=sub, show_every=show, answer_format=fmt, filler=filler),
+    st.integers(2, 4), st.integers(0, 4), st.integers(0, 20), st.integers(0, 990),
+    st.booleans(), st.integers(0, 3), st.sampled_from(["####", "boxed"]), st.integers(0, 3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(syn=SYN)
+def test_longest_synthetic_prompt_fits_exactly(tok, syn):
+  """For any synthetic config: the longest drawable prompt fills max_prompt_len with no
+  padding (one token less would reject it), every drawn problem fits, and every correct
+  solution plus <eos> fits max_new_tokens."""
+  task = Task(_task_config(synthetic=syn), 0, tok, 4)
+  P, R = task.max_prompt_len, task.max_new_tokens
+  cfg = task.synthetic
+  assert dataclasses.asdict(cfg) == syn
+  worst = synthetic.longest_prompt_problem(cfg)
+  pb = task.prompts([worst], 1)
+  assert pb.tokens.shape == (1, P) and int(pb.lengths[0]) == P
+  assert int(pb.tokens[0, 0]) != tok.pad_id
+  with pytest.raises(ValueError, match=f"more than max_prompt_len={P - 1}"):
+    make_prompt_batch(tok, [worst], 1, max_prompt_len=P - 1)
+  drawn = task.batch(0, 24) + task.eval_problems(8)
+  lengths = task.prompts(drawn, 1).lengths
+  assert lengths.max() <= P
+  for p in drawn:
+    assert len(tok.encode(p.solution)) + 1 <= R
+  assert P == synthetic.max_prompt_chars(cfg) + 6   # "<bos>Q:" + "\n" + "A:" around the problem
+  assert R == synthetic.max_completion_chars(cfg) + 1
+
+
+def test_config_lengths_override_derivation(tok):
+  task = Task(_task_config(max_prompt_len=64, max_new_tokens=80), 0, tok, 4)
+  assert (task.max_prompt_len, task.max_new_tokens) == (64, 80)
+  assert task.prompts(task.batch(0, 3), 2).tokens.shape == (6, 64)
+
+
+def test_synthetic_streams(tok):
+  """Training draws stream `seed` by data position, evaluation stream `seed + 2`."""
+  task = Task(_task_config(), 7, tok, 4)
+  cfg = task.synthetic
+  assert task.batch(5, 3) == synthetic.problem_batch(cfg, 7, 5, 3)
+  assert task.eval_problems(4) == synthetic.problem_batch(cfg, 9, 0, 4)
+  assert task.eval_problems(4) == task.eval_problems(4)
+
+
+# ------------------------------------------------------------------------ file tasks
+def test_held_out_rows_are_never_trained_on(tok, tmp_path):
+  path = _write_jsonl(tmp_path / "train.jsonl", _gsm8k_rows(10))
+  task = Task(_task_config(name="gsm8k", path=path, max_prompt_len=400, max_new_tokens=8),
+              0, tok, 3)
+  held = task.eval_problems(3)
+  assert len(held) == 3 and task.eval_problems(50) == held
+  seen = {p.uid for pos in range(0, 40, 4) for p in task.batch(pos, 4)}
+  assert seen == {p.uid for p in task.train_set} and len(seen) == 7
+  assert not seen & {p.uid for p in held}
+  assert seen | {p.uid for p in held} == {f"train.jsonl:{i}" for i in range(10)}
+  # Training cycles through the kept rows in file order.
+  order = [int(p.uid.split(":")[1]) for p in task.batch(0, 7)]
+  assert order == sorted(order) and task.batch(7, 7) == task.batch(0, 7)
+  # The split depends on neither the run seed nor anything but (rows, eval_problems).
+  other = Task(_task_config(name="gsm8k", path=path, max_prompt_len=400, max_new_tokens=8),
+               123, tok, 3)
+  assert other.eval_problems(3) == held
+  train_rows, eval_rows = holdout_split(10, 3)
+  assert [p.uid for p in held] == [f"train.jsonl:{i}" for i in eval_rows]
+  assert sorted([*train_rows, *eval_rows]) == list(range(10))
+  assert set(holdout_split(10, 5)[1]) > set(eval_rows)   # a larger slice is a superset
+
+
+def test_no_evaluation_trains_on_every_row(tok, tmp_path):
+  path = _write_jsonl(tmp_path / "train.jsonl", _gsm8k_rows(4))
+  task = Task(_task_config(name="gsm8k", path=path, max_prompt_len=400, max_new_tokens=8),
+              0, tok, 0)
+  assert [p.uid for p in task.batch(0, 4)] == [f"train.jsonl:{i}" for i in range(4)]
+  assert task.eval_problems(4) == []
+
+
+def test_file_too_small_to_hold_out(tok, tmp_path):
+  path = _write_jsonl(tmp_path / "small.jsonl", _gsm8k_rows(3))
+  with pytest.raises(config_lib.ConfigError,
+                     match=f"task.path={path} has 3 problems; holding out eval_problems=3 .* "
+                           "leaves none to train on"):
+    Task(_task_config(name="gsm8k", path=path, max_prompt_len=400, max_new_tokens=8),
+         0, tok, 3)
+
+
+def test_evaluation_file_has_its_own_format(tok, tmp_path):
+  """DAPO-Math training, AIME evaluation (task.eval_name)."""
+  dapo = _write_jsonl(tmp_path / "dapo.jsonl", [
+      {"prompt": [{"role": "user", "content": f"Compute {i}*2."}],
+       "reward_model": {"ground_truth": str(2 * i), "style": "rule"}} for i in range(1, 5)])
+  aime = _write_jsonl(tmp_path / "aime.jsonl", [
+      {"problem": "Find 1+1.", "answer": 2}, {"problem": "Find 2+3.", "answer": 5}])
+  kw = dict(name="dapo_math", path=dapo, eval_path=aime, max_prompt_len=400,
+            max_new_tokens=8)
+  task = Task(_task_config(eval_name="aime", **kw), 0, tok, 30)
+  assert [p.answer for p in task.eval_problems(30)] == ["2", "5"]
+  assert {p.source for p in task.eval_problems(30)} == {"aime"}
+  assert [p.answer for p in task.batch(0, 4)] == ["2", "4", "6", "8"]   # all of the train file
+  with pytest.raises(ValueError, match="aime.jsonl: missing column 'prompt'"):
+    Task(_task_config(**kw), 0, tok, 30)     # eval_name "" reads AIME as DAPO
+
+
+def test_file_task_config_errors(tok, tmp_path):
+  path = _write_jsonl(tmp_path / "train.jsonl", _gsm8k_rows(4))
+  with pytest.raises(config_lib.ConfigError, match="task.name='gsm8k' needs task.path"):
+    Task(_task_config(name="gsm8k", max_prompt_len=400, max_new_tokens=8), 0, tok, 0)
+  with pytest.raises(config_lib.ConfigError,
+                     match="needs task.max_prompt_len and task.max_new_tokens"):
+    Task(_task_config(name="gsm8k", path=path, max_new_tokens=8), 0, tok, 0)
+  with pytest.raises(config_lib.ConfigError, match="task.eval_name='math500'; expected ''"):
+    Task(_task_config(name="gsm8k", path=path, eval_name="math500", max_prompt_len=400,
+                      max_new_tokens=8), 0, tok, 0)
+  with pytest.raises(config_lib.ConfigError, match="task.name='math500'; expected"):
+    Task(_task_config(name="math500", path=path), 0, tok, 0)
+
+
+def test_file_task_prompts_have_the_configured_width(tok, tmp_path):
+  path = _write_jsonl(tmp_path / "train.jsonl", _gsm8k_rows(6))
+  task = Task(_task_config(name="gsm8k", path=path, max_prompt_len=400, max_new_tokens=8),
+              0, tok, 2)
+  pb = task.prompts(task.batch(0, 2), 3)
+  assert pb.tokens.shape == (6, 400)
+  np.testing.assert_array_equal(pb.problem_ids, [0, 0, 0, 1, 1, 1])

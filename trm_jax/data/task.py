@@ -1,0 +1,147 @@
+"""The RL task: training prompts by data position, held-out problems, and the static lengths the
+sampler is compiled for.
+
+  task = Task(c.task, seed=c.seed, tokenizer=tok, eval_problems=c.eval_problems)
+  problems = task.batch(pos, n)                 # training problems pos .. pos+n-1
+  pb = task.prompts(problems, group_size)       # PromptBatch [n*G, max_prompt_len]
+  held_out = task.eval_problems(n)              # never returned by `batch`
+  P, R = task.max_prompt_len, task.max_new_tokens
+
+Config keys read (the `task` section of configs/tiny_trm.py):
+  name            synthetic | gsm8k | dapo_math | aime: the training source and its file format.
+  path            the training file (file tasks).
+  eval_path       the held-out file; "" = hold out rows of `path` (below).
+  eval_name       the format of `eval_path`; "" = same as `name` (a DAPO-Math training file
+                  with an AIME evaluation file: name="dapo_math", eval_name="aime").
+  synthetic       `SyntheticConfig` fields (synthetic task).
+  max_prompt_len  P; 0 = derived (synthetic task only; file tasks must set it).
+  max_new_tokens  R; 0 = derived (synthetic task only; file tasks must set it).
+
+Held-out problems never reach training:
+  * synthetic: evaluation draws stream `seed + 2`, training stream `seed` (warm-up SFT uses
+    `seed + 1`): independent draws, a fresh test set from the same distribution.
+  * file task with eval_path: the evaluation file; training uses all of `path`.
+  * file task without eval_path: `eval_problems` rows of `path` are held out, chosen by a
+    permutation with the fixed seed HOLDOUT_SEED (not the run's seed, so every run, seed and
+    sweep cell evaluates on the same rows; a larger eval_problems holds out a superset). A
+    random rather than a trailing slice because files are often ordered by source or
+    difficulty. Training cycles through the remaining rows in file order.
+
+Derived lengths (synthetic task): P is the length of the longest prompt the task can draw
+(`synthetic.longest_prompt_problem`) tokenized through `make_prompt_batch`, the path every
+training prompt takes; R is `synthetic.max_completion_tokens` (the longest worked solution
+plus <eos>). Both are exact for the synthetic tokenizer (one token per character).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import ml_collections
+import numpy as np
+
+from trm_jax.config import ConfigError
+from trm_jax.data import synthetic
+from trm_jax.data.batching import PromptBatch, make_prompt_batch
+from trm_jax.data.loaders import LOADERS, load_problems
+from trm_jax.data.problem import Problem
+from trm_jax.data.tokenizer import Tokenizer
+
+HOLDOUT_SEED = 0  # the held-out rows of a file task without eval_path (module docstring)
+# Stream offsets from the run seed: RL prompts use `seed`, warm-up SFT `seed + 1`.
+SYNTHETIC_EVAL_STREAM = 2
+
+
+def holdout_split(n_rows: int, n_eval: int) -> tuple[np.ndarray, np.ndarray]:
+  """(train rows [n_rows - n_eval] ascending, eval rows [n_eval]) of a file of n_rows rows.
+
+  Eval rows are the first n_eval of a fixed permutation (HOLDOUT_SEED), so they depend only on
+  (n_rows, n_eval) and grow as a superset with n_eval.
+  """
+  perm = np.random.default_rng(HOLDOUT_SEED).permutation(n_rows)
+  eval_rows = perm[:n_eval]
+  return np.sort(perm[n_eval:]), eval_rows
+
+
+class Task:
+  """Training and held-out problems of one task, and the sampler's static lengths.
+
+  Args:
+    task_config: the config's `task` section (keys in the module docstring).
+    seed: the run seed (`c.seed`): the synthetic training stream is `seed`, its held-out
+      stream `seed + 2`. File tasks do not use it (their held-out rows are run-independent).
+    tokenizer: the policy's tokenizer (prompts, and the synthetic prompt length).
+    eval_problems: how many held-out problems evaluation asks for (`c.eval_problems`); a file
+      task without `eval_path` holds out this many rows of `path`.
+
+  Attributes:
+    max_prompt_len: P, the prompt width of every `prompts` batch.
+    max_new_tokens: R, the rollout's response length.
+    synthetic: the SyntheticConfig, or None for a file task.
+    train_set / eval_set: the problem lists of a file task (None for synthetic).
+
+  Raises ConfigError (one line naming the keys) for a file task without `path`, without
+  max_prompt_len / max_new_tokens, with an unknown eval_name, or whose file is too small to hold
+  out eval_problems rows and still train.
+  """
+
+  def __init__(self, task_config: ml_collections.ConfigDict, seed: int, tokenizer: Tokenizer,
+               eval_problems: int):
+    t = task_config
+    self.name, self.seed, self.tok = t.name, int(seed), tokenizer
+    self.synthetic: Optional[synthetic.SyntheticConfig] = None
+    self.train_set: Optional[list[Problem]] = None
+    self.eval_set: Optional[list[Problem]] = None
+    if t.name == "synthetic":
+      self.synthetic = synthetic.SyntheticConfig(**t.synthetic.to_dict())
+      self.max_prompt_len = t.max_prompt_len or synthetic.max_prompt_tokens(self.synthetic,
+                                                                             tokenizer)
+      self.max_new_tokens = t.max_new_tokens or synthetic.max_completion_tokens(self.synthetic)
+      return
+    if t.name not in LOADERS:
+      raise ConfigError(f"task.name={t.name!r}; expected 'synthetic' or one of "
+                        f"{sorted(LOADERS)}")
+    eval_name = t.eval_name or t.name
+    if eval_name not in LOADERS:
+      raise ConfigError(f"task.eval_name={t.eval_name!r}; expected '' (same as task.name) or "
+                        f"one of {sorted(LOADERS)}")
+    if not t.path:
+      raise ConfigError(f"task.name={t.name!r} needs task.path (a local file)")
+    if not (t.max_prompt_len and t.max_new_tokens):
+      raise ConfigError(f"task.name={t.name!r} needs task.max_prompt_len and "
+                        "task.max_new_tokens (only the synthetic task derives them)")
+    self.max_prompt_len, self.max_new_tokens = t.max_prompt_len, t.max_new_tokens
+    problems = load_problems(t.name, t.path)
+    if t.eval_path:
+      self.train_set = problems
+      self.eval_set = load_problems(eval_name, t.eval_path)
+    elif eval_problems:
+      if len(problems) <= eval_problems:
+        raise ConfigError(
+            f"task.path={t.path} has {len(problems)} problems; holding out "
+            f"eval_problems={eval_problems} of them for evaluation (task.eval_path is empty) "
+            "leaves none to train on. Set task.eval_path or lower eval_problems")
+      train_rows, eval_rows = holdout_split(len(problems), eval_problems)
+      self.train_set = [problems[i] for i in train_rows]
+      self.eval_set = [problems[i] for i in eval_rows]
+    else:  # no evaluation asked for: train on every row
+      self.train_set, self.eval_set = problems, []
+
+  def batch(self, pos: int, n: int) -> list[Problem]:
+    """Training problems pos .. pos+n-1: a pure function of (config, seed, pos), so the data
+    position is all a checkpoint needs to resume. File tasks cycle through `train_set`."""
+    if self.synthetic is not None:
+      return synthetic.problem_batch(self.synthetic, self.seed, pos, n)
+    return [self.train_set[(pos + i) % len(self.train_set)] for i in range(n)]
+
+  def eval_problems(self, n: int) -> list[Problem]:
+    """The first n held-out problems (fewer if the evaluation file has fewer); the same list at
+    every call. File tasks: no row `batch` returns. Synthetic: another stream of the same
+    distribution, so a short problem can recur in both by chance, as in any fresh test set."""
+    if self.synthetic is not None:
+      return synthetic.problem_batch(self.synthetic, self.seed + SYNTHETIC_EVAL_STREAM, 0, n)
+    return self.eval_set[:n]
+
+  def prompts(self, problems: Sequence[Problem], group_size: int) -> PromptBatch:
+    """Left-padded chat prompts [len(problems) * group_size, max_prompt_len]; a prompt longer
+    than max_prompt_len is an error naming the problem."""
+    return make_prompt_batch(self.tok, problems, group_size, max_prompt_len=self.max_prompt_len)
