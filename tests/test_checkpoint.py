@@ -422,6 +422,57 @@ def test_sigkill_mid_save_keeps_last_good_checkpoint(tmp_path):
   assert not any(".orbax-checkpoint-tmp" in n for n in names), names
 
 
+# --- a save that fails on disk ------------------------------------------------------------
+
+_FULL_DISK = textwrap.dedent("""
+    import resource, signal, sys, time
+    import jax.numpy as jnp
+    from trm_jax.checkpoint import Checkpointer
+    d, async_save = sys.argv[1], sys.argv[2] == "async"
+    # Past the limit the OS refuses a write with EFBIG, as a full disk refuses with ENOSPC;
+    # ignoring SIGXFSZ makes it an error return instead of a killed process.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    ck = Checkpointer(d, save_every=100, keep=3, async_save=async_save)
+    base = jnp.arange(1 << 18, dtype=jnp.float32)  # 1 MiB
+    for step in range(1, 301):
+      if step == 101:  # step 100 is on disk; from now on no file may grow past 64 KiB
+        ck.wait()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))
+      print(f"step {step}", flush=True)
+      ck.maybe_save(step, {"w": base + step}, meta={"step": step})
+      time.sleep(0.1 if step > 200 else 0)  # a trainer step; the failed write is long over
+    ck.close()
+""")
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_failed_save_is_raised_at_once_in_one_line_and_last_good_one_restores(tmp_path, mode):
+  d = tmp_path / "ckpt"
+  p = subprocess.run([sys.executable, "-c", _FULL_DISK, str(d), mode], capture_output=True,
+                     text=True, timeout=300)
+  assert p.returncode == 1, p.stderr[-3000:]
+  last = p.stderr.strip().splitlines()[-1]
+  want = (f"trm_jax.checkpoint.CheckpointSaveError: checkpoint step 200 at {d} failed to save: "
+          "OSError: [Errno 27] File too large (ValueError: OUT_OF_RANGE: Error writing")
+  assert last.startswith(want), last
+  # Raised by the next step's call (or, synchronous, by the save itself), not at step 300,
+  # when the next save would have waited for this one.
+  raised_at = int(p.stdout.strip().splitlines()[-1].split()[1])
+  assert raised_at == 200 if mode == "sync" else 200 < raised_at < 300, p.stdout[-200:]
+  # The failed step never became a step; the one before restores, and the resumed run
+  # writes step 200 afresh over the dead run's temporary directory.
+  assert "100" in os.listdir(d) and "200" not in os.listdir(d)
+  abstract = {"w": jax.ShapeDtypeStruct((1 << 18,), jnp.float32,
+                                        sharding=jax.sharding.SingleDeviceSharding(
+                                            jax.devices()[0]))}
+  with Checkpointer(d, save_every=100, keep=3) as ck:
+    step, state, meta = ck.restore_latest(abstract)
+    assert (step, meta) == (100, {"step": 100})
+    _assert_bitwise(state, {"w": jnp.arange(1 << 18, dtype=jnp.float32) + 100})
+    assert ck.maybe_save(200, state, meta={"step": 200})
+  assert sorted(os.listdir(d)) == ["100", "200"]
+
+
 # --- two processes ------------------------------------------------------------------------
 
 _MULTI = textwrap.dedent("""

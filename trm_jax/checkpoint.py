@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from typing import Any, Optional
 
 import jax
@@ -247,6 +248,11 @@ def _check_meta(meta) -> None:
 # --- the checkpointer ---------------------------------------------------------------------
 
 
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint could not be written; the one-line message names the step, the directory and
+  the root cause. orbax has already logged the full traceback."""
+
+
 class Checkpointer:
   """Saves every `save_every` steps, keeps the newest `keep`, resumes from the newest good one.
 
@@ -259,6 +265,8 @@ class Checkpointer:
 
   With `async_save=True`, `maybe_save` returns once the arrays are copied to host memory; the
   files are written in the background, so the caller may donate or overwrite `state` at once.
+  A background save that fails is raised as `CheckpointSaveError` by the first `maybe_save`,
+  `check`, `wait`, `restore_latest` or `close` call after it has ended.
   """
 
   def __init__(self, directory: str, *, save_every: int, keep: int, async_save: bool = True):
@@ -267,9 +275,12 @@ class Checkpointer:
     if keep < 1:
       raise ValueError(f"Checkpointer keep={keep}; must be >= 1")
     self.directory = os.path.abspath(os.fspath(directory))
-    self.save_every = save_every
+    self._in_flight: Optional[int] = None  # step of the last save started and not yet checked
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
+        # The policies alone: `save_interval_steps` would add orbax's InitialSavePolicy (save
+        # the first step of a fresh run), and `max_to_keep` is deprecated for LatestN.
+        save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(save_every),
+        preservation_policy=ocp.checkpoint_managers.LatestN(keep),
         enable_async_checkpointing=async_save,
         # Removes `*.orbax-checkpoint-tmp` left by a process killed mid-save.
         cleanup_tmp_directories=True,
@@ -283,24 +294,36 @@ class Checkpointer:
     """Saves `state` (pytree of jax.Array) and `meta` (JSON dict) if step % save_every == 0.
 
     `force=True` saves regardless of the interval (e.g. the final step). A step that already
-    has a checkpoint is not saved again. Returns whether a save was started.
+    has a checkpoint is not saved again. Returns whether a save was started. Call it at every
+    step: it raises `CheckpointSaveError` as soon as a previous background save has failed.
     """
     step = int(step)
     _check_meta(meta)  # On every call, so a bad meta fails at the first step, not the first save.
-    if not force and step % self.save_every != 0:
-      return False
-    if step in self._manager.all_steps():
+    self.check()
+    if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
       return False
     stored, impls = _to_storable(state)
     integrity = _integrity_record(stored, impls)
-    self._manager.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(stored),
-                                meta=ocp.args.JsonSave(meta),
-                                integrity=ocp.args.JsonSave(integrity)),
-        # We decided above; orbax's own policy would also skip while a save is in flight.
-        force=True)
+    self._wait()  # orbax's save waits for the previous one too, but would not name it
+    self._in_flight = step
+    try:
+      self._manager.save(
+          step,
+          args=ocp.args.Composite(state=ocp.args.StandardSave(stored),
+                                  meta=ocp.args.JsonSave(meta),
+                                  integrity=ocp.args.JsonSave(integrity)),
+          force=True)  # decided above
+    except Exception as e:  # the blocking part (or all of a synchronous save) failed
+      raise self._failed(e) from None
     return True
+
+  def check(self) -> None:
+    """Raises `CheckpointSaveError` if the last background save has ended in failure.
+
+    Cheap (no wait, no file access) while a save is still running or none is pending.
+    """
+    if self._in_flight is not None and not self._manager.is_saving_in_progress():
+      self._wait()
 
   def restore_latest(self, abstract_state) -> Optional[tuple[int, Any, dict]]:
     """(step, state, meta) of the newest good checkpoint, or None if there is none at all.
@@ -312,7 +335,7 @@ class Checkpointer:
     those step numbers again. Raises RuntimeError naming the directory if checkpoints exist but
     none is good, and ValueError if a checkpoint's tree does not match `abstract_state`.
     """
-    self._manager.wait_until_finished()  # a save of ours in flight is not yet a step
+    self._wait()  # a save of ours in flight is not yet a step
     self._manager.reload()  # pick up steps written by a previous process
     steps = sorted(self._manager.all_steps(), reverse=True)
     if not steps:
@@ -365,12 +388,27 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Blocks until the in-flight async save (if any) is finalized on disk."""
-    self._manager.wait_until_finished()
+    self._wait()
 
   def close(self) -> None:
     """Waits for pending saves and releases orbax's threads."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    try:
+      self._wait()
+    finally:
+      self._manager.close()
+
+  def _wait(self) -> None:
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:
+      raise self._failed(e) from None  # orbax has logged the traceback; ours is one line
+    self._in_flight = None
+
+  def _failed(self, e: BaseException) -> CheckpointSaveError:
+    step, self._in_flight = self._in_flight, None
+    self._manager.reload()  # orbax's step list may still hold the failed step
+    return CheckpointSaveError(f"checkpoint step {step} at {self.directory} failed to save: "
+                               f"{_save_cause(e)}")
 
   def __enter__(self) -> "Checkpointer":
     return self
@@ -387,6 +425,16 @@ def _root_cause(e: BaseException) -> str:
     e = e.__cause__ or e.__context__
   lines = str(e).strip().splitlines()
   return f"{type(e).__name__}: {lines[0][:600] if lines else ''}"
+
+
+def _save_cause(e: BaseException) -> str:
+  """`_root_cause`, led by the OS error when tensorstore reports one (disk full, quota)."""
+  cause = _root_cause(e)
+  m = re.search(r"os_error_code='?(\d+)", cause)
+  if m is None:
+    return cause
+  code = int(m.group(1))
+  return f"OSError: [Errno {code}] {os.strerror(code)} ({cause})"
 
 
 class _Corrupt(Exception):
