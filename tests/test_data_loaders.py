@@ -1,11 +1,12 @@
 """Loaders over small real jsonl / parquet files in the three layouts."""
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trm_jax.data.loaders import DEFAULT_INSTRUCTION, load_problems
+from trm_jax.data.loaders import DEFAULT_INSTRUCTION, DataFileError, load_problems
 from trm_jax.data.rewards import math_reward
 
 GSM8K = [
@@ -47,7 +48,7 @@ def _write(tmp_path, name, rows):
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_gsm8k(tmp_path, ext):
   path = _write(tmp_path, f"gsm8k.{ext}", GSM8K)
-  probs = load_problems("gsm8k", path, cache_dir=str(tmp_path / "cache"))
+  probs = load_problems("gsm8k", path)
   assert [p.answer for p in probs] == ["72", "1,200"]
   assert probs[0].prompt == GSM8K[0]["question"] + "\n" + DEFAULT_INSTRUCTION
   assert "<<" not in probs[0].solution and probs[0].solution.endswith("#### 72")
@@ -58,7 +59,7 @@ def test_gsm8k(tmp_path, ext):
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_dapo_math(tmp_path, ext):
   path = _write(tmp_path, f"dapo.{ext}", DAPO)
-  probs = load_problems("dapo_math", path, cache_dir=str(tmp_path / "cache"))
+  probs = load_problems("dapo_math", path)
   assert [p.answer for p in probs] == ["42", "1"]
   assert probs[0].prompt == DAPO[0]["prompt"][0]["content"] and probs[0].system is None
   assert probs[1].system == "Be careful."
@@ -70,36 +71,37 @@ def test_dapo_math(tmp_path, ext):
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_aime(tmp_path, ext):
   path = _write(tmp_path, f"aime.{ext}", AIME)
-  probs = load_problems("aime", path, instruction=None, cache_dir=str(tmp_path / "cache"))
+  probs = load_problems("aime", path, instruction=None)
   assert [p.answer for p in probs] == ["25", "4"]
   assert probs[0].prompt == AIME[0]["problem"] and probs[0].solution == AIME[0]["solution"]
   # "question" is accepted in place of "problem".
   alt = _write(tmp_path, "aime_q.jsonl", [{"question": "Q?", "answer": "7"}])
-  assert load_problems("aime", alt, cache_dir=str(tmp_path / "cache"))[0].answer == "7"
+  assert load_problems("aime", alt)[0].answer == "7"
 
 
 def test_several_files(tmp_path):
   a = _write(tmp_path, "a.jsonl", GSM8K[:1])
   b = _write(tmp_path, "b.jsonl", GSM8K[1:])
-  probs = load_problems("gsm8k", [a, b], cache_dir=str(tmp_path / "cache"))
+  probs = load_problems("gsm8k", [a, b])
   assert [p.answer for p in probs] == ["72", "1,200"]
 
 
 def test_errors_name_the_file_and_column(tmp_path):
-  cache = str(tmp_path / "cache")
   bad = _write(tmp_path, "no_answer.jsonl", [{"question": "q", "solution": "s"}])
-  with pytest.raises(ValueError, match=r"gsm8k file .*no_answer.jsonl: missing column 'answer'"):
-    load_problems("gsm8k", bad, cache_dir=cache)
+  with pytest.raises(ValueError, match=r"gsm8k file .*no_answer.jsonl: missing column 'answer'; "
+                                       r"found columns: \['question', 'solution'\]"):
+    load_problems("gsm8k", bad)
   no_hash = _write(tmp_path, "no_hash.jsonl", [{"question": "q", "answer": "42"}])
-  with pytest.raises(ValueError, match=r"no_hash.jsonl, row 0: column 'answer' has no '####"):
-    load_problems("gsm8k", no_hash, cache_dir=cache)
+  with pytest.raises(ValueError, match=r"no_hash.jsonl, line 1: field 'answer' has no '####"):
+    load_problems("gsm8k", no_hash)
   no_gt = _write(tmp_path, "no_gt.parquet", [
       {"prompt": [{"role": "user", "content": "x"}], "reward_model": {"style": "rule"}}])
-  with pytest.raises(ValueError, match=r"no_gt.parquet.*'reward_model.ground_truth'"):
-    load_problems("dapo_math", no_gt, cache_dir=cache)
+  with pytest.raises(ValueError,
+                     match=r"no_gt.parquet, row 1: field 'reward_model.ground_truth' is null"):
+    load_problems("dapo_math", no_gt)
   no_problem = _write(tmp_path, "aime_bad.jsonl", [{"text": "x", "answer": 1}])
   with pytest.raises(ValueError, match=r"aime_bad.jsonl: missing column 'problem'"):
-    load_problems("aime", no_problem, cache_dir=cache)
+    load_problems("aime", no_problem)
   with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist"):
     load_problems("gsm8k", str(tmp_path / "nope.jsonl"))
   csv = tmp_path / "x.csv"
@@ -108,3 +110,111 @@ def test_errors_name_the_file_and_column(tmp_path):
     load_problems("gsm8k", str(csv))
   with pytest.raises(ValueError, match="unknown problem source 'math500'"):
     load_problems("math500", bad)
+
+
+def _raises(kind, path, message, **kw):
+  """The loader fails with exactly `message` (one line), which names the file and the row."""
+  with pytest.raises(DataFileError) as e:
+    load_problems(kind, path, **kw)
+  assert str(e.value) == message
+  return e
+
+
+def test_empty_files(tmp_path):
+  for name, content in (("empty.jsonl", b""), ("blank.jsonl", b"\n  \n"), ("empty.json", b"[]")):
+    path = tmp_path / name
+    path.write_bytes(content)
+    _raises("gsm8k", str(path), f"{path}: no rows (the file is empty)")
+  path = tmp_path / "empty.parquet"
+  pq.write_table(pa.table({"question": pa.array([], pa.string()),
+                           "answer": pa.array([], pa.string())}), path)
+  _raises("gsm8k", str(path), f"{path}: no rows (the file is empty)")
+
+
+def test_malformed_json(tmp_path):
+  path = tmp_path / "bad.jsonl"
+  good = json.dumps(GSM8K[0])
+  # Line numbers are physical (1-based): the blank line 2 counts.
+  path.write_text(f"{good}\n\n{good}\n{{\"question\": \"q\",}}\n{good}\n")
+  _raises("gsm8k", str(path), f"{path}, line 4: not valid JSON (Expecting property name "
+                              "enclosed in double quotes, column 18)")
+  path = tmp_path / "latin1.jsonl"
+  path.write_bytes(good.encode() + b"\n" + '{"question": "caf\u00e9"}'.encode("latin-1") + b"\n")
+  _raises("gsm8k", str(path), f"{path}, line 2: not UTF-8 (invalid continuation byte at "
+                              "byte 17)")
+  path = tmp_path / "array.json"
+  path.write_text(json.dumps([GSM8K[0], [1, 2]]))
+  _raises("gsm8k", str(path), f"{path}, element 2: expected a JSON object with named fields, "
+                              "got list")
+  path = tmp_path / "broken.json"
+  path.write_text("[\n" + good + ",\n" + good + "\n" + good + "\n]")   # a missing comma
+  _raises("gsm8k", str(path), f"{path}, line 4: not valid JSON (Expecting ',' delimiter, "
+                              "column 1)")
+  path = tmp_path / "truncated.parquet"
+  pq.write_table(pa.Table.from_pylist(GSM8K), path)
+  path.write_bytes(path.read_bytes()[:-20])
+  e = _raises_prefix("gsm8k", str(path), f"{path}: not a readable parquet file (")
+  assert "\n" not in str(e.value)
+
+
+def _raises_prefix(kind, path, prefix):
+  with pytest.raises(DataFileError) as e:
+    load_problems(kind, path)
+  assert str(e.value).startswith(prefix), str(e.value)
+  return e
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+def test_null_and_non_string_fields(tmp_path, ext):
+  at = "line" if ext == "jsonl" else "row"
+  path = _write(tmp_path, f"null_q.{ext}", [GSM8K[0], {"question": None, "answer": "#### 1"}])
+  _raises("gsm8k", path, f"gsm8k file {path}, {at} 2: field 'question' is null or missing")
+  path = _write(tmp_path, f"null_gt.{ext}", [
+      DAPO[0], {"prompt": [{"role": "user", "content": "x"}],
+                "reward_model": {"ground_truth": None, "style": "rule"}}])
+  _raises("dapo_math", path, f"dapo_math file {path}, {at} 2: field "
+                             "'reward_model.ground_truth' is null or missing")
+  path = _write(tmp_path, f"null_content.{ext}", [
+      DAPO[0], {"prompt": [{"role": "user", "content": None}],
+                "reward_model": {"ground_truth": "1", "style": "rule"}}])
+  _raises("dapo_math", path, f"dapo_math file {path}, {at} 2: field 'prompt[0].content' is "
+                             "null or missing")
+
+
+def test_wrong_types_are_named(tmp_path):
+  path = _write(tmp_path, "list_q.jsonl", [{"question": ["a", "b"], "answer": "#### 1"}])
+  _raises("gsm8k", path, f"gsm8k file {path}, line 1: field 'question' is list ['a', 'b'], "
+                         "expected a string")
+  path = _write(tmp_path, "float_answer.jsonl", [AIME[0], {"problem": "p", "answer": 2.5}])
+  _raises("aime", path, f"aime file {path}, line 2: field 'answer' is float 2.5, expected a "
+                        "string or an integer")
+  path = _write(tmp_path, "prompt_int.jsonl", [{"prompt": 7, "reward_model": {
+      "ground_truth": "1"}}])
+  _raises("dapo_math", path, f"dapo_math file {path}, line 1: field 'prompt' is int 7, "
+                             "expected a string or a list of {role, content} messages")
+  path = _write(tmp_path, "rm_str.jsonl", [{"prompt": "p", "reward_model": "42"}])
+  _raises("dapo_math", path, f"dapo_math file {path}, line 1: field 'reward_model' is str "
+                             "'42', expected {ground_truth, style}")
+
+
+def test_empty_ground_truth_is_refused(tmp_path):
+  path = _write(tmp_path, "gsm8k.jsonl", [GSM8K[0], {"question": "q", "answer": "work\n#### "}])
+  _raises("gsm8k", path, f"gsm8k file {path}, line 2: field 'answer' has an empty ground truth "
+                         "after '####' (no completion could match it)")
+  path = _write(tmp_path, "dapo.parquet", [
+      DAPO[0], {"prompt": [{"role": "user", "content": "x"}],
+                "reward_model": {"ground_truth": "", "style": "rule"}}])
+  _raises("dapo_math", path, f"dapo_math file {path}, row 2: field 'reward_model.ground_truth' "
+                             "is an empty ground-truth answer (no completion could match it)")
+  path = _write(tmp_path, "aime.jsonl", [AIME[0], AIME[1], {"problem": "p", "answer": "  "}])
+  _raises("aime", path, f"aime file {path}, line 3: field 'answer' is an empty ground-truth "
+                        "answer (no completion could match it)")
+
+
+def test_uid_is_file_and_row(tmp_path):
+  """uids stay "<file>:<0-based row>" per file, also across several files and blank lines."""
+  a = tmp_path / "a.jsonl"
+  a.write_text(json.dumps(GSM8K[0]) + "\n\n" + json.dumps(GSM8K[1]) + "\n")
+  b = _write(tmp_path, "b.jsonl", GSM8K[:1])
+  assert [p.uid for p in load_problems("gsm8k", [str(a), b])] == ["a.jsonl:0", "a.jsonl:1",
+                                                                  "b.jsonl:0"]

@@ -4,8 +4,8 @@ int32 arrays."""
 from trm_jax.data.batching import (PromptBatch, SFTBatch, encode_prompt, make_prompt_batch,
                                    make_sft_batch)
 from trm_jax.data.evaluation import avg_at_k, pass_at_k, pass_at_k_per_problem, summarize
-from trm_jax.data.loaders import (DEFAULT_INSTRUCTION, load_aime, load_dapo_math, load_gsm8k,
-                                  load_problems)
+from trm_jax.data.loaders import (DEFAULT_INSTRUCTION, DataFileError, load_aime, load_dapo_math,
+                                  load_gsm8k, load_problems)
 from trm_jax.data.problem import Problem
 from trm_jax.data.rewards import answers_match, extract_answer, math_reward
 from trm_jax.data.synthetic import (SyntheticConfig, longest_prompt_problem,
