@@ -1,47 +1,41 @@
 """Checkpoints of the training state: periodic async saves, exact resume, corruption fallback.
 
-One `Checkpointer` wraps an orbax `CheckpointManager`. A checkpoint at step s is the directory
-`<dir>/<s>/` with three orbax items:
+One `Checkpointer` wraps an orbax `CheckpointManager`, which decides when to save (every
+`save_every` steps) and which steps to keep (the newest `keep`). A checkpoint at step s is the
+directory `<dir>/<s>/` with three orbax items:
 
-  state/      the pytree of jax arrays (params, optimizer state, RNG keys), StandardSave
-  meta/       the caller's JSON dict (step, data position, config hash, ...), JsonSave
-  integrity/  our JSON record: per-leaf path, shape, dtype, PRNG impl and a 64-bit fingerprint
+  state/      the pytree of jax arrays (params, optimizer state), StandardSave
+  meta/       the caller's JSON dict (step, data position, config, ...), JsonSave
+  integrity/  our JSON record: per-leaf path, shape, dtype and a 64-bit fingerprint
 
-Atomicity (verified in orbax-checkpoint 0.12.8, `_src/path/atomicity.py`): with
-`AtomicityMode.ATOMIC_RENAME`, which we request explicitly rather than relying on the default,
-every item is written into `<dir>/<s>.orbax-checkpoint-tmp/`, a `commit_success.txt` is written
-last, and only then is the directory renamed to `<dir>/<s>/`. A process killed mid-save leaves
-a `*.orbax-checkpoint-tmp` directory that orbax never lists as a step and that
-`cleanup_tmp_directories=True` removes when the next `Checkpointer` opens the directory. The
-last finalized step is never touched by a later save, so a crash cannot corrupt it.
+What this module adds to orbax:
 
-Corruption after the fact (a truncated or deleted file, garbage written over array data, a
-missing metadata file) is not something the rename protects against. Tensorstore catches most
-of it while decoding, but not all: array files replaced by those of another step restore
-without any error. So `restore_latest` walks the steps from the newest down, restores each one
-and recomputes every leaf's fingerprint; the first step that restores cleanly and matches is
-returned, and every step skipped is named in a logged warning with the reason. The skipped
-steps are then deleted: orbax refuses to overwrite an existing step, and keep-last-k would
-count the bad steps and drop the resumed run's fresh ones. The fingerprint is two uint32 sums over the leaf's bit pattern (plain and
-position-mixed); integer addition mod 2^32 does not depend on reduction order, so it is the
-same for any sharding or device count. It detects any single changed word, it is not a
-cryptographic hash.
+* Atomicity, requested explicitly (`AtomicityMode.ATOMIC_RENAME`, not the filesystem-dependent
+  default; verified in orbax-checkpoint 0.12.8, `_src/path/atomicity.py`): every item is
+  written into `<dir>/<s>.orbax-checkpoint-tmp/`, `commit_success.txt` last, then the directory
+  is renamed to `<dir>/<s>/`. A process killed mid-save leaves a tmp directory that orbax never
+  lists as a step and removes (`cleanup_tmp_directories`) when the next `Checkpointer` opens
+  the directory; the last finalized step is never touched by a later save.
+* Fallback past corruption after the fact (a truncated, deleted or overwritten file). Tensorstore
+  catches most of it while decoding, but array files replaced by those of another step
+  restore without error. So `restore_latest` walks the steps from the newest down, restores
+  each and recomputes every leaf's fingerprint; the first step that restores and matches is
+  returned, each step skipped is named in a warning with the reason, and then deleted (orbax
+  refuses to overwrite a step, and keep-last-k would count the bad ones). The fingerprint is
+  two uint32 sums over the leaf's bit pattern (plain and position-mixed): addition mod 2^32
+  does not depend on reduction order, so it is the same for any sharding; it detects any
+  single changed word and is not a cryptographic hash.
+* A failed background save (disk full) is raised as `CheckpointSaveError`, one line naming the
+  step, the directory and the OS error, by the next call after the save ended (`check` costs
+  nothing while a save runs), instead of by the next save, `save_every` steps later.
 
-Typed PRNG keys (`jax.random.key`) cannot be serialised as such: they are saved as
-`jax.random.key_data` (uint32) with the key implementation's name in the integrity record and
-rebuilt with `jax.random.wrap_key_data` on restore. Legacy uint32 keys are plain arrays.
-
-Multi-process: orbax coordinates the save across processes once `jax.distributed` is
-initialised (every process calls `maybe_save` and `restore_latest` with the same arguments;
-each writes its own shards, the primary process writes the JSON items and does the rename).
-This module writes no file itself; meta and integrity go through `ocp.args.JsonSave`, and
-deleting bad steps goes through `CheckpointManager.delete`. Every leaf must then be a global
-jax.Array (orbax rejects host-local ones: put a PRNG key on the mesh, replicated).
-Fingerprints come from a jitted global reduction, so every process sees the same numbers and
-takes the same fallback decision. Limitation: a read error that only some processes hit (the
-damage is in their shards) makes those processes leave orbax's restore barrier early, and
-orbax then waits for its barrier timeout instead of falling back in step; damage to the
-JSON items or the shared OCDBT manifest is seen by all processes alike.
+Multi-process: orbax coordinates the save once `jax.distributed` is initialised (every process
+calls `maybe_save` and `restore_latest` with the same arguments; each writes its own shards,
+the primary process writes the JSON items and does the rename). Every leaf must be a global
+jax.Array. Fingerprints come from a jitted global reduction, so every process takes the same
+fallback decision. Limitations: a read error that only some processes hit (damage in their
+shards only) makes those leave orbax's restore barrier early, and the others wait for its
+timeout; a failed save is raised by each process that sees it, not always at the same step.
 """
 from __future__ import annotations
 
@@ -65,70 +59,32 @@ _FORMAT = 1  # Version of the integrity record; bump if the fingerprint changes.
 # --- pytree plumbing ----------------------------------------------------------------------
 
 
-def _is_key(x) -> bool:
-  return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+def _check_state(state) -> None:
+  """Every leaf a plain jax.Array: orbax cannot write Python scalars or typed PRNG keys."""
 
-
-def _key_data_sharding(sharding, name: str):
-  """Sharding of `key_data(k)` ([..., 2] for threefry) given the sharding of the keys k."""
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    return jax.sharding.NamedSharding(sharding.mesh, sharding.spec)  # trailing dim replicated
-  if isinstance(sharding, jax.sharding.SingleDeviceSharding) or sharding is None:
-    return sharding
-  raise ValueError(f"PRNG key leaf {name}: unsupported sharding {type(sharding).__name__}; "
-                   "use NamedSharding or a single device")
-
-
-def _to_storable(state) -> tuple[Any, dict[str, Optional[str]]]:
-  """Replaces typed PRNG keys by their uint32 key data; returns (tree, {path: impl or None})."""
-  impls = {}
-
-  def convert(path, x):
+  def check(path, x):
     name = jax.tree_util.keystr(path)
     if not isinstance(x, jax.Array):
       raise TypeError(f"checkpoint state leaf {name} is a {type(x).__name__}; every leaf must "
                       "be a jax.Array (wrap scalars with jnp.asarray)")
-    if _is_key(x):
-      impls[name] = str(jax.random.key_impl(x))
-      return jax.random.key_data(x)
-    impls[name] = None
-    return x
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      raise TypeError(f"checkpoint state leaf {name} is a typed PRNG key; save "
+                      "jax.random.key_data(key), or rebuild the key from its seed on resume")
 
-  return jax.tree_util.tree_map_with_path(convert, state), impls
+  jax.tree_util.tree_map_with_path(check, state)
 
 
-def _abstract_storable(abstract_state) -> Any:
-  """ShapeDtypeStructs (with sharding) of what `_to_storable` saves for this abstract state."""
+def _abstract(abstract_state) -> Any:
+  """ShapeDtypeStructs with the target shardings (from ShapeDtypeStructs or jax.Arrays)."""
 
   def convert(path, x):
-    name = jax.tree_util.keystr(path)
     sharding = getattr(x, "sharding", None)
     if sharding is None:
-      raise ValueError(f"abstract state leaf {name} has no sharding; pass "
+      raise ValueError(f"abstract state leaf {jax.tree_util.keystr(path)} has no sharding; pass "
                        "jax.ShapeDtypeStruct(shape, dtype, sharding=...) or a jax.Array")
-    if _is_key(x):
-      data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
-      return jax.ShapeDtypeStruct(data.shape, data.dtype,
-                                  sharding=_key_data_sharding(sharding, name))
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
   return jax.tree_util.tree_map_with_path(convert, abstract_state)
-
-
-def _from_storable(stored, abstract_state, impls: dict[str, Optional[str]]):
-  """Inverse of `_to_storable`: wraps key data back into typed keys where the target wants."""
-
-  def convert(path, data, target):
-    name = jax.tree_util.keystr(path)
-    if not _is_key(target):
-      return data
-    key = jax.random.wrap_key_data(data, impl=impls[name])
-    if key.dtype != target.dtype:
-      raise ValueError(f"PRNG key leaf {name}: checkpoint holds impl {impls[name]} "
-                       f"({key.dtype}), the target wants {target.dtype}")
-    return key
-
-  return jax.tree_util.tree_map_with_path(convert, stored, abstract_state)
 
 
 # --- fingerprints -------------------------------------------------------------------------
@@ -195,21 +151,21 @@ def _host(x: jax.Array) -> np.ndarray:
   return np.asarray(x.addressable_data(0)) if x.is_fully_replicated else np.asarray(x)
 
 
-def _integrity_record(stored, impls) -> dict:
-  prints = _fingerprint_tree(stored)
+def _integrity_record(state) -> dict:
+  prints = _fingerprint_tree(state)
   leaves = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(stored)[0]:
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
     name = jax.tree_util.keystr(path)
-    leaves[name] = {"shape": list(x.shape), "dtype": str(x.dtype), "prng_impl": impls[name]}
+    leaves[name] = {"shape": list(x.shape), "dtype": str(x.dtype)}
   for path, fp in jax.tree_util.tree_flatten_with_path(prints)[0]:
     leaves[jax.tree_util.keystr(path)]["fingerprint"] = [int(v) for v in _host(fp)]
   return {"format": _FORMAT, "leaves": leaves}
 
 
-def _check_structure(record: dict, abstract_stored, directory: str, step: int) -> None:
+def _check_structure(record: dict, abstract, directory: str, step: int) -> None:
   """A structural mismatch is a caller error (changed model/optimizer), not corruption."""
   want = {jax.tree_util.keystr(p): (list(x.shape), str(x.dtype))
-          for p, x in jax.tree_util.tree_flatten_with_path(abstract_stored)[0]}
+          for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
   have = {k: (v["shape"], v["dtype"]) for k, v in record["leaves"].items()}
   if want == have:
     return
@@ -223,8 +179,8 @@ def _check_structure(record: dict, abstract_stored, directory: str, step: int) -
                    "or optimizer config change?): " + "; ".join(detail))
 
 
-def _verify(stored, record: dict) -> None:
-  prints = _fingerprint_tree(stored)
+def _verify(state, record: dict) -> None:
+  prints = _fingerprint_tree(state)
   for path, fp in jax.tree_util.tree_flatten_with_path(prints)[0]:
     name = jax.tree_util.keystr(path)
     got = [int(v) for v in _host(fp)]
@@ -250,7 +206,7 @@ def _check_meta(meta) -> None:
 
 class CheckpointSaveError(RuntimeError):
   """A checkpoint could not be written; the one-line message names the step, the directory and
-  the root cause. orbax has already logged the full traceback."""
+  the root cause. The full traceback is in orbax's log (background save) or chained."""
 
 
 class Checkpointer:
@@ -302,19 +258,19 @@ class Checkpointer:
     self.check()
     if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
       return False
-    stored, impls = _to_storable(state)
-    integrity = _integrity_record(stored, impls)
+    _check_state(state)
+    integrity = _integrity_record(state)
     self._wait()  # orbax's save waits for the previous one too, but would not name it
     self._in_flight = step
     try:
       self._manager.save(
           step,
-          args=ocp.args.Composite(state=ocp.args.StandardSave(stored),
+          args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(meta),
                                   integrity=ocp.args.JsonSave(integrity)),
           force=True)  # decided above
     except Exception as e:  # the blocking part (or all of a synchronous save) failed
-      raise self._failed(e) from None
+      raise self._failed(e) from e
     return True
 
   def check(self) -> None:
@@ -340,20 +296,18 @@ class Checkpointer:
     steps = sorted(self._manager.all_steps(), reverse=True)
     if not steps:
       return None
-    abstract_stored = _abstract_storable(abstract_state)
+    abstract = _abstract(abstract_state)
     bad = []
     for step in steps:
       try:
-        found = self._restore_verified(step, abstract_stored)
+        found = self._restore_verified(step, abstract)
       except _Corrupt as e:
         reason = _root_cause(e)
         log.warning("checkpoint step %d in %s is unusable (%s); falling back to an older one",
                     step, self.directory, reason)
         bad.append(step)
         continue
-      stored, meta, record = found
-      impls = {k: v["prng_impl"] for k, v in record["leaves"].items()}
-      state = _from_storable(stored, abstract_state, impls)
+      state, meta = found
       for b in bad:
         self._manager.delete(b)
       if bad:
@@ -363,7 +317,7 @@ class Checkpointer:
     raise RuntimeError(f"no usable checkpoint in {self.directory}: steps {steps} all failed to "
                        "restore or verify (see the warnings above)")
 
-  def _restore_verified(self, step: int, abstract_stored):
+  def _restore_verified(self, step: int, abstract):
     try:
       small = self._manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore()))
@@ -372,19 +326,19 @@ class Checkpointer:
         raise ValueError(f"integrity record missing or of unknown format: {record!r:.80}")
       if not isinstance(meta, dict):
         raise ValueError(f"meta missing or not a dict: {meta!r:.80}")
-      fields = {"shape", "dtype", "prng_impl", "fingerprint"}
+      fields = {"shape", "dtype", "fingerprint"}
       if not all(fields <= set(v) for v in record.get("leaves", {}).values()):
         raise ValueError(f"integrity record lacks some of the fields {sorted(fields)}")
     except Exception as e:  # orbax raises many types for a damaged directory
       raise _Corrupt() from e
-    _check_structure(record, abstract_stored, self.directory, step)  # a caller error: raise
+    _check_structure(record, abstract, self.directory, step)  # a caller error: raise
     try:
       stored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_stored)))["state"]
+          state=ocp.args.StandardRestore(abstract)))["state"]
     except Exception as e:
       raise _Corrupt() from e
     _verify(stored, record)
-    return stored, meta, record
+    return stored, meta
 
   def wait(self) -> None:
     """Blocks until the in-flight async save (if any) is finalized on disk."""
