@@ -1,6 +1,8 @@
 """Checkpoint export/import: round trips through transformers, sharded files, strict errors."""
 import json
 import os
+import re
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,9 @@ from safetensors.numpy import load_file, save_file
 from hf_fixtures import hf_logits, make_hf_checkpoint, sample_batch
 from trm_jax.kernels import Visibility
 from trm_jax.models import from_pretrained, make_test_model, save_pretrained
-from trm_jax.models.hf_io import INDEX_FILE, SINGLE_FILE, CheckpointMismatchError
+from trm_jax import sharding as shd
+from trm_jax.models.hf_io import (INDEX_FILE, SINGLE_FILE, CheckpointFileError,
+                                  CheckpointMismatchError)
 
 TOL = 1e-4
 
@@ -205,3 +209,166 @@ def test_non_float_tensor_is_named(ckpts, tmp_path):
   bad = _rewrite(ckpts["qwen3_tied"], str(tmp_path / "bad"), edit)
   with pytest.raises(CheckpointMismatchError, match=f"'{name}' has dtype I32"):
     from_pretrained(bad)
+
+
+# ------------------------------------------------------------------------- unsafe / bad files
+def _raises_exactly(message, path, **kw):
+  with pytest.raises(CheckpointFileError) as e:
+    from_pretrained(path, **kw)
+  assert str(e.value) == message
+  assert "\n" not in message
+
+
+@pytest.fixture(scope="module")
+def sharded_src(tmp_path_factory):
+  """A sharded checkpoint written by transformers (several files + index)."""
+  return make_hf_checkpoint(str(tmp_path_factory.mktemp("sh") / "src"), "qwen3",
+                            max_shard_size="40KB")
+
+
+def _index(path):
+  with open(os.path.join(path, INDEX_FILE)) as f:
+    return json.load(f)
+
+
+def _point(path, name, target):
+  """Rewrites the index so tensor `name` (and its file's other tensors) map to `target`."""
+  index = _index(path)
+  old = index["weight_map"][name]
+  index["weight_map"] = {k: (target if v == old else v) for k, v in index["weight_map"].items()}
+  with open(os.path.join(path, INDEX_FILE), "w") as f:
+    json.dump(index, f)
+  return old
+
+
+def test_index_entries_outside_the_checkpoint_are_refused(sharded_src, tmp_path):
+  name = "model.layers.1.mlp.down_proj.weight"
+  shard = _index(sharded_src)["weight_map"][name]
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  shutil.copy(os.path.join(sharded_src, shard), outside / "x.safetensors")  # a real file
+  real_out = os.path.realpath(outside / "x.safetensors")
+  cases = {"dotdot": "../outside/x.safetensors", "absolute": real_out,
+           "symlink": "link.safetensors"}
+  for case, target in cases.items():
+    d = str(tmp_path / case)
+    shutil.copytree(sharded_src, d)
+    if case == "symlink":
+      os.symlink(real_out, os.path.join(d, "link.safetensors"))
+    _point(d, name, target)
+    first = next(k for k, v in _index(d)["weight_map"].items() if v == target)
+    _raises_exactly(f"{os.path.join(d, INDEX_FILE)}: weight_map entry {first!r} -> "
+                    f"{target!r} resolves to {real_out}, outside the checkpoint directory "
+                    f"{os.path.realpath(d)}", d)
+
+
+def test_index_entries_in_subdirectories_and_the_hub_cache_load(sharded_src, tmp_path):
+  """What the containment check must not refuse: a shard in a subdirectory, and a hub-cache
+  snapshot whose files are symlinks into the repository's blobs/."""
+  want = _params(from_pretrained(sharded_src))
+  d = str(tmp_path / "subdir")
+  shutil.copytree(sharded_src, d)
+  name = "model.layers.1.mlp.down_proj.weight"
+  os.makedirs(os.path.join(d, "shards"))
+  old = _index(d)["weight_map"][name]
+  os.replace(os.path.join(d, old), os.path.join(d, "shards", old))
+  _point(d, name, f"shards/{old}")
+  got = _params(from_pretrained(d))
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
+
+  repo = tmp_path / "hub" / "models--org--tiny"
+  snap = repo / "snapshots" / "0123abcd"
+  os.makedirs(repo / "blobs")
+  os.makedirs(snap)
+  for i, fn in enumerate(sorted(os.listdir(sharded_src))):
+    blob = repo / "blobs" / f"blob{i}"
+    shutil.copy(os.path.join(sharded_src, fn), blob)
+    os.symlink(os.path.join("..", "..", "blobs", f"blob{i}"), snap / fn)
+  got = _params(from_pretrained(str(snap)))
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
+
+
+def test_truncated_safetensors_is_named(ckpts, tmp_path):
+  d = str(tmp_path / "trunc")
+  shutil.copytree(ckpts["qwen2"], d)
+  file = os.path.join(d, SINGLE_FILE)
+  data = open(file, "rb").read()
+  open(file, "wb").write(data[:len(data) // 2])
+  _raises_exactly(f"{file}: not a readable safetensors file, truncated or corrupt (Error while "
+                  "deserializing header: incomplete metadata, file not fully covered)", d)
+  open(file, "wb").write(data[:4])
+  _raises_exactly(f"{file}: not a readable safetensors file, truncated or corrupt (Error while "
+                  "deserializing header: header too small)", d)
+
+
+def test_index_naming_a_missing_file_is_named(sharded_src, tmp_path):
+  d = str(tmp_path / "missing")
+  shutil.copytree(sharded_src, d)
+  shard = _index(d)["weight_map"]["model.norm.weight"]
+  os.remove(os.path.join(d, shard))
+  _raises_exactly(f"{os.path.join(d, shard)}: no such file (named by {INDEX_FILE})", d)
+  with open(os.path.join(d, INDEX_FILE), "w") as f:
+    f.write('{"weight_map": ')
+  _raises_exactly(f"{os.path.join(d, INDEX_FILE)}: not valid JSON (line 1 column 16: "
+                  "Expecting value)", d)
+
+
+def test_config_json_missing_or_not_json_is_named(ckpts, tmp_path):
+  d = str(tmp_path / "cfg")
+  shutil.copytree(ckpts["qwen2"], d)
+  cfg = os.path.join(d, "config.json")
+  os.remove(cfg)
+  _raises_exactly(f"{cfg}: no such file (a Hugging Face checkpoint directory needs "
+                  "config.json)", d)
+  with open(cfg, "w") as f:
+    f.write("{'model_type': 'qwen2'}")
+  _raises_exactly(f"{cfg}: not valid JSON (line 1 column 2: Expecting property name enclosed "
+                  "in double quotes)", d)
+  with open(cfg, "w") as f:
+    f.write("[1, 2]")
+  _raises_exactly(f"{cfg}: expected a JSON object, got list", d)
+  _raises_exactly(f"{tmp_path / 'nope'}: no such checkpoint directory", str(tmp_path / "nope"))
+
+
+def test_nan_weight_is_named(ckpts, tmp_path):
+  name = "model.layers.1.mlp.down_proj.weight"
+
+  def edit(t):
+    t[name][3, 5] = np.nan
+  bad = _rewrite(ckpts["qwen3_tied"], str(tmp_path / "nan"), edit)
+  _raises_exactly(f"tensor {name!r} in {os.path.join(bad, SINGLE_FILE)} holds non-finite "
+                  "weights (1 NaN, 0 Inf in the block read); refusing to load it", bad)
+
+
+def test_inf_expert_weight_is_named_on_a_mesh(tmp_path):
+  """bf16 MoE checkpoint, loaded sharded over 8 devices: the stacked-expert path names the
+  expert's own tensor."""
+  src = make_hf_checkpoint(str(tmp_path / "src"), "qwen3_moe", dtype=torch.bfloat16)
+  name = "model.layers.0.mlp.experts.2.up_proj.weight"
+  d = str(tmp_path / "inf")
+  shutil.copytree(src, d)
+  with safe_open(os.path.join(d, SINGLE_FILE), "pt") as f:
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+  tensors[name][0, :2] = float("inf")
+  from safetensors.torch import save_file as save_torch  # pylint: disable=g-import-not-at-top
+  save_torch(tensors, os.path.join(d, SINGLE_FILE), metadata={"format": "pt"})
+  mesh = shd.make_mesh({"fsdp": 2, "tensor": 4})
+  with pytest.raises(CheckpointFileError,
+                     match=re.escape(f"tensor {name!r} in {os.path.join(d, SINGLE_FILE)} holds "
+                                     "non-finite weights (0 NaN, ") + r"\d+ Inf in the block "):
+    from_pretrained(d, dtype=jnp.bfloat16, mesh=mesh)
+
+
+def test_weights_overflowing_the_param_dtype_are_named(ckpts, tmp_path):
+  name = "model.embed_tokens.weight"
+
+  def edit(t):
+    t[name][0, 0] = 1e5
+  bad = _rewrite(ckpts["qwen3_tied"], str(tmp_path / "big"), edit)
+  from_pretrained(bad)   # fine in float32
+  _raises_exactly(f"tensor {name!r} in {os.path.join(bad, SINGLE_FILE)} holds values up to "
+                  "1e+05, which overflow the parameter dtype float16; load with a wider "
+                  "param_dtype", bad, param_dtype=jnp.float16)

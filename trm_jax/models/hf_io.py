@@ -7,6 +7,15 @@ callback reads only the slice of the on-disk tensor that each device holds
 tensor) ever exists. Strict by default: a missing tensor, a wrong shape, an unexpected tensor,
 a non-float tensor or an unsupported `model_type` raises naming it.
 
+Bad files fail with one line naming the file (`CheckpointFileError`): a missing or non-JSON
+config.json or index, a truncated or corrupt safetensors file, and an index `weight_map` entry
+that does not resolve (realpath, so symlinks count) inside the checkpoint directory: the
+directory is what gets copied, exported and fingerprinted, so every weight must live in it. The
+one exception is the Hugging Face hub cache, whose `snapshots/<rev>/` files are symlinks into
+the same repository's `blobs/`. Non-finite weights (NaN / Inf, or finite values that overflow
+the parameter dtype) are refused while streaming, naming the tensor: one `isfinite`
+reduction per block read, on the host, before the block reaches a device.
+
 Layout conversion (torch Linear stores [out, in]; we store einsum layouts):
   q/k/v_proj.weight [N*H, D] -> [D, N, H];  o_proj.weight [D, N*H] -> [N, H, D]
   q/k/v_proj.bias   [N*H]    -> [N, H];     gate/up [F, D] -> [D, F]; down [D, F] -> [F, D]
@@ -27,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from trm_jax import sharding as shd
@@ -41,6 +50,11 @@ _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 class CheckpointMismatchError(ValueError):
   """The checkpoint's tensors do not match what its config.json describes."""
+
+
+class CheckpointFileError(ValueError):
+  """A checkpoint file is missing, unreadable, outside the checkpoint directory, or holds
+  non-finite weights; the message names the file (and the entry or tensor)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +126,56 @@ def _ignored(name: str, cfg: ModelConfig) -> bool:
 
 
 # ---------------------------------------------------------------------------------- reading
+def _read_json_file(file: str, what: str) -> dict:
+  """A JSON object from `file`, or one line naming the file."""
+  if not os.path.isfile(file):
+    raise CheckpointFileError(f"{file}: no such file ({what})")
+  with open(file, "rb") as f:
+    data = f.read()
+  try:
+    out = json.loads(data)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    where = (f"line {e.lineno} column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError)
+             else e.reason)
+    raise CheckpointFileError(f"{file}: not valid JSON ({where})") from None
+  if not isinstance(out, dict):
+    raise CheckpointFileError(f"{file}: expected a JSON object, got {type(out).__name__}")
+  return out
+
+
+def _inside(real: str, root: str) -> bool:
+  return os.path.commonpath([real, root]) == root
+
+
+def _allowed_roots(path: str) -> List[str]:
+  """Where the files of checkpoint directory `path` may resolve: the directory itself, and for
+  a hub-cache snapshot (`models--org--name/snapshots/<rev>`) that repository's `blobs/`."""
+  real = os.path.realpath(path)
+  roots = [real]
+  parent = os.path.dirname(real)
+  if os.path.basename(parent) == "snapshots":
+    roots.append(os.path.join(os.path.dirname(parent), "blobs"))
+  return roots
+
+
+def _weight_files(path: str, index: str) -> List[str]:
+  """The safetensors files an index names, each checked to resolve inside the checkpoint."""
+  weight_map = _read_json_file(index, "the sharded checkpoint's index").get("weight_map")
+  if not isinstance(weight_map, dict) or not weight_map:
+    raise CheckpointFileError(f"{index}: no 'weight_map' object mapping tensor names to files")
+  roots = _allowed_roots(path)
+  for name, fn in weight_map.items():
+    if not isinstance(fn, str) or not fn:
+      raise CheckpointFileError(f"{index}: weight_map entry {name!r} -> {fn!r} is not a file "
+                                "name")
+    real = os.path.realpath(os.path.join(path, fn))
+    if os.path.isabs(fn) or not any(_inside(real, r) for r in roots):
+      raise CheckpointFileError(
+          f"{index}: weight_map entry {name!r} -> {fn!r} resolves to {real}, outside the "
+          f"checkpoint directory {roots[0]}")
+  return sorted(set(weight_map.values()))
+
+
 class _Checkpoint:
   """Open safetensors file(s) of one checkpoint directory: name -> (handle, shape, dtype)."""
 
@@ -119,19 +183,26 @@ class _Checkpoint:
     self.path = path
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
-      with open(index) as f:
-        weight_map = json.load(f)["weight_map"]
-      files = sorted(set(weight_map.values()))
+      files = _weight_files(path, index)
     elif os.path.exists(os.path.join(path, SINGLE_FILE)):
       files = [SINGLE_FILE]
     else:
       raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
     self.tensors: Dict[str, Tuple[object, Tuple[int, ...], str]] = {}
+    self.files: Dict[str, str] = {}   # tensor name -> the file holding it (error messages)
     for fn in files:
-      h = safe_open(os.path.join(path, fn), framework="numpy")
+      file = os.path.join(path, fn)
+      if not os.path.isfile(file):
+        raise CheckpointFileError(f"{file}: no such file (named by {INDEX_FILE})")
+      try:
+        h = safe_open(file, framework="numpy")
+      except (SafetensorError, OSError) as e:
+        raise CheckpointFileError(f"{file}: not a readable safetensors file, truncated or "
+                                  f"corrupt ({e})") from None
       for name in h.keys():
         sl = h.get_slice(name)
         self.tensors[name] = (h, tuple(sl.get_shape()), sl.get_dtype())
+        self.files[name] = file
 
   def read(self, name: str, index: Tuple[slice, ...]) -> np.ndarray:
     handle = self.tensors[name][0]
@@ -163,8 +234,23 @@ def _ours_from_hf(ckpt: _Checkpoint, entry: _Entry, ours_shape: Tuple[int, ...],
   for name in names:
     x = ckpt.read(name, hf_index)
     x = x.T if entry.transpose else x
-    blocks.append(x.reshape(block_shape)[tuple(post)].astype(dtype))
+    with np.errstate(over="ignore"):   # an overflowing cast is reported just below
+      y = x.reshape(block_shape)[tuple(post)].astype(dtype)
+    if not np.isfinite(y).all():   # the one reduction per block; the rest only on failure
+      raise CheckpointFileError(_non_finite_message(ckpt, name, x, dtype))
+    blocks.append(y)
   return np.stack(blocks) if entry.stacked else blocks[0]
+
+
+def _non_finite_message(ckpt: _Checkpoint, name: str, x: np.ndarray, dtype) -> str:
+  where = f"tensor {name!r} in {ckpt.files[name]}"
+  bad = ~np.isfinite(x)
+  if bad.any():
+    n_nan = int(np.isnan(x).sum())
+    return (f"{where} holds non-finite weights ({n_nan} NaN, {int(bad.sum()) - n_nan} Inf in "
+            f"the block read); refusing to load it")
+  return (f"{where} holds values up to {float(np.abs(x.astype(np.float32)).max()):.4g}, which "
+          f"overflow the parameter dtype {np.dtype(dtype).name}; load with a wider param_dtype")
 
 
 def _validate(ckpt: _Checkpoint, cfg: ModelConfig, entries: List[_Entry], shapes: Dict) -> None:
@@ -207,8 +293,11 @@ def from_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None,
     remat: rematerialise each block in the backward pass.
   """
   path = os.fspath(path)
-  with open(os.path.join(path, "config.json")) as f:
-    cfg = ModelConfig.from_hf(json.load(f), dtype=dtype, param_dtype=param_dtype, remat=remat)
+  if not os.path.isdir(path):
+    raise CheckpointFileError(f"{path}: no such checkpoint directory")
+  hf_config = _read_json_file(os.path.join(path, "config.json"),
+                              "a Hugging Face checkpoint directory needs config.json")
+  cfg = ModelConfig.from_hf(hf_config, dtype=dtype, param_dtype=param_dtype, remat=remat)
   abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   flat = nnx.to_flat_state(state)
