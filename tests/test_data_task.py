@@ -166,6 +166,11 @@ def test_file_task_config_errors(tok, tmp_path):
   with pytest.raises(config_lib.ConfigError, match="task.eval_name='math500'; expected ''"):
     Task(_task_config(name="gsm8k", path=path, eval_name="math500", max_prompt_len=400,
                       max_new_tokens=8), 0, tok, 0)
+  with pytest.raises(config_lib.ConfigError,
+                     match="task.eval_name='aime' is the format of task.eval_path, which is "
+                           "empty"):
+    Task(_task_config(name="gsm8k", path=path, eval_name="aime", max_prompt_len=400,
+                      max_new_tokens=8), 0, tok, 0)
   with pytest.raises(config_lib.ConfigError, match="task.name='math500'; expected"):
     Task(_task_config(name="math500", path=path), 0, tok, 0)
 

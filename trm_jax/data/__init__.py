@@ -12,5 +12,6 @@ from trm_jax.data.synthetic import (SyntheticConfig, longest_prompt_problem,
                                     make_synthetic_tokenizer, max_completion_chars,
                                     max_completion_tokens, max_prompt_chars, max_prompt_tokens,
                                     problem_at, problem_batch)
+from trm_jax.data.task import Task
 from trm_jax.data.tokenizer import (Tokenizer, TokenizerMismatchError, check_tokenizer_fits,
                                     load_tokenizer, pad_sequences)

@@ -80,8 +80,9 @@ class Task:
     train_set / eval_set: the problem lists of a file task (None for synthetic).
 
   Raises ConfigError (one line naming the keys) for a file task without `path`, without
-  max_prompt_len / max_new_tokens, with an unknown eval_name, or whose file is too small to hold
-  out eval_problems rows and still train.
+  max_prompt_len / max_new_tokens, with an unknown eval_name or one without eval_path, or whose
+  file is too small to hold out eval_problems rows and still train. Bad rows in the files raise
+  `loaders.DataFileError` naming the file and row.
   """
 
   def __init__(self, task_config: ml_collections.ConfigDict, seed: int, tokenizer: Tokenizer,
@@ -104,6 +105,9 @@ class Task:
     if eval_name not in LOADERS:
       raise ConfigError(f"task.eval_name={t.eval_name!r}; expected '' (same as task.name) or "
                         f"one of {sorted(LOADERS)}")
+    if t.eval_name and not t.eval_path:
+      raise ConfigError(f"task.eval_name={t.eval_name!r} is the format of task.eval_path, "
+                        "which is empty (held-out rows of task.path have task.name's format)")
     if not t.path:
       raise ConfigError(f"task.name={t.name!r} needs task.path (a local file)")
     if not (t.max_prompt_len and t.max_new_tokens):
