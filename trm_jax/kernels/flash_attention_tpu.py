@@ -1,0 +1,575 @@
+"""Visibility-aware flash attention for TPU (Pallas Mosaic): forward and backward, GQA.
+
+Computes what `attention_ref.attention_reference` computes, with the predicate of
+`visibility.py`
+
+    query i sees key j  <=>  j <= i  and  seg[b, j] == seg[b, i] != 0  and  i < evicted_at[b, k, j]
+
+evaluated per (query block x key block) tile from segment_ids [B, T] and evicted_at [B, K, T]
+(k = kv head of the query head). No [T, T] array (mask, bias, logits) ever exists in HBM;
+the largest side arrays are O(B * N * T) (logsumexp, delta) and the block tables below.
+
+Algorithm: FlashAttention-2 as in `flash_attention.py` (the Triton kernel): fp32 online
+softmax, row logsumexp saved for the backward, which recomputes probabilities in two kernels,
+dk/dv (grid over key blocks) and dq (grid over query blocks), tied with `jax.custom_vjp`.
+
+TPU layout, and why:
+  * q/o are viewed as [B, T, N*Hp] and k/v as [B, T, K*Hp] (free reshapes of [B, T, N, Hp]);
+    a q block is (block_q, G*Hp): all G query heads of one kv head, so each k/v tile is fetched
+    once per group rather than once per query head, and dk/dv accumulate the group's heads in
+    VMEM (no per-query-head fp32 dk/dv in HBM, unlike the Triton kernel). Hp is H rounded up to
+    128 (lanes); zero columns change neither q.k nor the output.
+  * Side vectors are rows in HBM: segment ids [B, 1, T], evicted_at [B, K, 1, T], logsumexp
+    and delta [B, N, 1, T] (the size-1 axis makes a (1, block) tile legal). A kernel that needs
+    one as a column (query side in the forward/dq orientation [bq, bk], key side in the dk/dv
+    orientation [bk, bq]) expands it in VMEM; dk/dv work on transposed scores s^T = k q^T so
+    logsumexp and delta broadcast as rows there.
+  * Grids are (B, K, outer block, inner block) with the inner axis "arbitrary" and fp32
+    accumulators in VMEM scratch; tiles are (block, 128k), block a power of two >= 128.
+  * T is padded to a multiple of the largest block; padded positions get segment id 0, so
+    they are invisible like any padding, and padded query rows are sliced off.
+
+Block skipping. Three small int32 tables go to SMEM by scalar prefetch: per query block and per
+key block the min/max non-zero segment id, and per (b, kv head, key block) the max of
+evicted_at over the block's non-padding keys. A (query block i, key block j) step is computed
+only if some pair in it can be visible: j starts at or before the block's last query
+(causality), max(evicted_at) > the block's first query, and the two segment ranges overlap
+(padding-only blocks have an empty range). Skipped steps are a `pl.when` that does nothing.
+Fetches: per (b, kv head, outer block) the first and last inner block that is computed are
+prefetched too, and the index_maps clamp the inner block index into that range, so steps
+before the first / after the last computed block re-use a tile already in VMEM and start no
+DMA (this covers the causal upper triangle, left padding, and fully evicted leading blocks
+in the dk/dv kernel's query loop). Skipped blocks *between* two computed ones (an evicted band
+with a kept sink block before it) are still fetched but not computed: a fetch table exact for
+holes would take O(nq * nk) SMEM.
+
+Fully masked rows (padding, or every key evicted) give exact zeros, logsumexp -inf, and zero
+gradients: probabilities are zeroed with `where(visible, ., 0)` and the row sum is guarded.
+
+Runs on CPU through the Mosaic TPU interpreter (`interpret=True`, tests); on TPU it compiles
+through Mosaic. Ahead-of-time compiles for real chips without a TPU (libtpu's compiler, see
+bench/tpu_kernel_aot.py and bench/results/tpu_kernel_aot.json), jax 0.10.2 / libtpu 0.0.42.1,
+default blocks, B=1, N=32, K=8, H=128 (Qwen3-8B), bf16, per-chip temp bytes of forward +
+backward; the reference (dense [B, K, G, T, T] logits) for comparison:
+
+    (filled in from bench/results/tpu_kernel_aot.json; see the end of this docstring)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from trm_jax.kernels.visibility import LayerVisibility
+
+LANES = 128
+# Finite stand-in for -inf in the running max (exp(m_prev - m_next) is never inf - inf).
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_EMPTY_LO = 2**30   # segment range of a block with no valid position: lo > hi, overlaps nothing
+_EMPTY_HI = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class TPUBlockSizes:
+  """Tile sizes of the TPU kernel: powers of two >= 128 (lanes). Clamped down for short T."""
+  block_q: int = 512       # forward: query rows per step
+  block_k: int = 512       # forward: keys per step
+  block_q_bwd: int = 256   # backward: query rows per step (dk/dv inner loop, dq outer)
+  block_k_bwd: int = 512   # backward: keys per step (dk/dv outer, dq inner loop)
+  vmem_limit_bytes: Optional[int] = None   # Mosaic scoped-VMEM limit; None = chip default
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+      b = getattr(self, name)
+      if b < LANES or b & (b - 1):
+        raise ValueError(f"TPUBlockSizes.{name}={b} must be a power of two >= {LANES} "
+                         "(TPU tiles: the key and query block are lane dimensions)")
+
+  def clamped(self, T: int) -> "TPUBlockSizes":
+    """Blocks no larger than T rounded up to a power of two (>= 128)."""
+    cap = max(LANES, 1 << max(0, (T - 1).bit_length()))
+    return dataclasses.replace(self, **{n: min(getattr(self, n), cap) for n in
+                                        ("block_q", "block_k", "block_q_bwd", "block_k_bwd")})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Non-differentiable, hashable configuration of one call."""
+  scale: float
+  groups: int              # G = N // K
+  head_dim: int            # Hp (padded, multiple of 128)
+  blocks: TPUBlockSizes
+  interpret: bool
+
+
+# --------------------------------------------------------------------------------------------
+# Block tables (XLA side, O(B * K * T / block)) and the shared block predicate.
+# --------------------------------------------------------------------------------------------
+
+
+def _block_live(i, j, q_lo, q_hi, k_lo, k_hi, k_ev, bq: int, bk: int):
+  """Can any pair of query block i and key block j be visible? Conservative, never wrong.
+
+  Works on arrays (table building) and on SMEM scalars (inside the kernels) alike.
+  """
+  causal = j * bk <= (i + 1) * bq - 1
+  alive = k_ev > i * bq
+  overlap = jnp.maximum(q_lo, k_lo) <= jnp.minimum(q_hi, k_hi)
+  return causal & alive & overlap
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tables:
+  """Flattened int32 tables for scalar prefetch (SMEM), for one (block_q, block_k) pair."""
+  q_lo: jax.Array     # [B * nq] min non-zero segment id of the query block (_EMPTY_LO if none)
+  q_hi: jax.Array     # [B * nq] max non-zero segment id (_EMPTY_HI if none)
+  k_lo: jax.Array     # [B * nk]
+  k_hi: jax.Array     # [B * nk]
+  k_ev: jax.Array     # [B * K * nk] max evicted_at over the block's valid keys (0 if none)
+  f_lo: jax.Array     # [B * K * n_outer] first live inner block of each outer block
+  f_hi: jax.Array     # [B * K * n_outer] last live inner block (both 0 if none is live)
+
+  def args(self):
+    return (self.q_lo, self.q_hi, self.k_lo, self.k_hi, self.k_ev, self.f_lo, self.f_hi)
+
+
+def _seg_ranges(seg, block):
+  s = seg.reshape(seg.shape[0], -1, block)
+  valid = s != 0
+  lo = jnp.where(valid, s, _EMPTY_LO).min(-1)
+  hi = jnp.where(valid, s, _EMPTY_HI).max(-1)
+  return lo, hi, valid
+
+
+def _tables(seg, ev, K: int, bq: int, bk: int, outer: str) -> _Tables:
+  """Tables for a kernel whose outer grid axis runs over `outer` ("q" or "k") blocks."""
+  B, T = seg.shape
+  nq, nk = T // bq, T // bk
+  q_lo, q_hi, _ = _seg_ranges(seg, bq)                          # [B, nq]
+  k_lo, k_hi, k_valid = _seg_ranges(seg, bk)                    # [B, nk], [B, nk, bk]
+  if ev is None:
+    k_ev = jnp.where(k_valid.any(-1), jnp.int32(2**30), 0)[:, None, :]
+    k_ev = jnp.broadcast_to(k_ev, (B, K, nk))
+  else:
+    evb = ev.reshape(B, K, nk, bk)
+    k_ev = jnp.where(k_valid[:, None], evb, 0).max(-1)          # [B, K, nk]
+  i = jnp.arange(nq)[:, None]
+  j = jnp.arange(nk)[None, :]
+  live = _block_live(i, j, q_lo[:, None, :, None], q_hi[:, None, :, None],
+                     k_lo[:, None, None, :], k_hi[:, None, None, :], k_ev[:, :, None, :],
+                     bq, bk)                                      # [B, K, nq, nk]
+  if outer == "k":
+    live = jnp.swapaxes(live, -1, -2)                            # [B, K, nk, nq]
+  n_in = live.shape[-1]
+  any_live = live.any(-1)
+  first = jnp.where(any_live, jnp.argmax(live, -1), 0)
+  last = jnp.where(any_live, n_in - 1 - jnp.argmax(live[..., ::-1], -1), 0)
+  i32 = lambda x: x.astype(jnp.int32).reshape(-1)
+  return _Tables(i32(q_lo), i32(q_hi), i32(k_lo), i32(k_hi), i32(k_ev), i32(first), i32(last))
+
+
+class _Smem:
+  """Reads the scalar-prefetched tables inside a kernel or an index_map."""
+
+  def __init__(self, refs, *, K: int, nq: int, nk: int, n_outer: int):
+    self.q_lo, self.q_hi, self.k_lo, self.k_hi, self.k_ev, self.f_lo, self.f_hi = refs
+    self.K, self.nq, self.nk, self.n_outer = K, nq, nk, n_outer
+
+  def live(self, b, kh, i, j, bq: int, bk: int):
+    return _block_live(i, j, self.q_lo[b * self.nq + i], self.q_hi[b * self.nq + i],
+                       self.k_lo[b * self.nk + j], self.k_hi[b * self.nk + j],
+                       self.k_ev[(b * self.K + kh) * self.nk + j], bq, bk)
+
+  def fetch(self, b, kh, outer, inner):
+    """Inner block to hold in VMEM at this step: `inner` clamped to the live range."""
+    f = (b * self.K + kh) * self.n_outer + outer
+    return jnp.minimum(jnp.maximum(inner, self.f_lo[f]), self.f_hi[f])
+
+
+# --------------------------------------------------------------------------------------------
+# Tile helpers (traced inside the kernels).
+# --------------------------------------------------------------------------------------------
+
+
+def _lanes(x, n: int):
+  """[rows, 128] lane-replicated -> [rows, n] (n a multiple of 128)."""
+  return x if n == LANES else jnp.tile(x, (1, n // LANES))
+
+
+def _column(row_ref):
+  """A (1, n) row tile as an (n, 1) column (a relayout inside VMEM)."""
+  return row_ref[0][:, None]
+
+
+def _visible_qk(q_start, k_start, shape, q_seg, k_seg, k_ev, transposed: bool):
+  """bool tile: [bq, bk] (q rows) or, transposed, [bk, bq] (k rows)."""
+  q_axis, k_axis = (1, 0) if transposed else (0, 1)
+  q_idx = q_start + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+  k_idx = k_start + lax.broadcasted_iota(jnp.int32, shape, k_axis)
+  vis = (k_idx <= q_idx) & (q_seg == k_seg) & (k_seg != 0)
+  if k_ev is not None:
+    vis = vis & (q_idx < k_ev)
+  return vis
+
+
+def _precision(dtype):
+  # fp32 inputs get fp32 matmuls (the MXU's multi-pass mode), not one bf16 pass.
+  return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _dot_nt(a, b):
+  """a [m, d] @ b [n, d]^T -> [m, n] fp32."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a.dtype),
+                         preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+  """a [m, d] @ b [d, n] -> [m, n] fp32."""
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a.dtype),
+                         preferred_element_type=jnp.float32)
+
+
+def _params(st: _Static, n_parallel: int):
+  sem = ("parallel",) * n_parallel + ("arbitrary",)
+  return pltpu.CompilerParams(dimension_semantics=sem,
+                              vmem_limit_bytes=st.blocks.vmem_limit_bytes)
+
+
+def _interpret(st: _Static):
+  return pltpu.InterpretParams() if st.interpret else False
+
+
+# --------------------------------------------------------------------------------------------
+# Forward: grid (B, K, nq, nk).
+# --------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
+  tabs, refs = refs[:7], refs[7:]
+  q_ref, k_ref, v_ref, segq_ref, segk_ref = refs[:5]
+  ev_ref = refs[5] if has_ev else None
+  o_ref, lse_ref, m_scr, l_scr, acc_scr = refs[6 if has_ev else 5:]
+  bq, bk, G, Hp = st.blocks.block_q, st.blocks.block_k, st.groups, st.head_dim
+  b, kh, i, j = (pl.program_id(a) for a in range(4))
+  smem = _Smem(tabs, K=K, nq=nq, nk=nk, n_outer=nq)
+
+  @pl.when(j == 0)
+  def _init():
+    m_scr[...] = jnp.full(m_scr.shape, _MASK_VALUE, jnp.float32)
+    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+  @pl.when(smem.live(b, kh, i, j, bq, bk))
+  def _compute():
+    vis = _visible_qk(i * bq, j * bk, (bq, bk), _column(segq_ref), segk_ref[...],
+                      None if ev_ref is None else ev_ref[...], transposed=False)
+    k = k_ref[...]                                                    # [bk, Hp]
+    v = v_ref[...]
+    for g in range(G):                                                # the group's heads
+      hs = slice(g * Hp, (g + 1) * Hp)
+      s = jnp.where(vis, _dot_nt(q_ref[:, hs], k) * st.scale, _MASK_VALUE)   # [bq, bk]
+      m_prev = m_scr[g]                                               # [bq, 128]
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      alpha = jnp.exp(m_prev - m_next)
+      p = jnp.where(vis, jnp.exp(s - _lanes(m_next, bk)), 0.0)       # exact 0 if hidden
+      l_scr[g] = alpha * l_scr[g] + jnp.sum(p, axis=1, keepdims=True)
+      m_scr[g] = m_next
+      pv = _dot(p.astype(v.dtype), v)                                 # [bq, Hp]
+      acc_scr[:, hs] = _lanes(alpha, Hp) * acc_scr[:, hs] + pv
+
+  @pl.when(j == nk - 1)
+  def _finish():
+    for g in range(G):
+      hs = slice(g * Hp, (g + 1) * Hp)
+      l = l_scr[g]
+      seen = l > 0.0                                                  # False: row saw no key
+      l_safe = jnp.where(seen, l, 1.0)
+      o_ref[:, hs] = (acc_scr[:, hs] / _lanes(l_safe, Hp)).astype(o_ref.dtype)
+      lse = jnp.where(seen, m_scr[g] + jnp.log(l_safe), -jnp.inf)    # [bq, 128]
+      lse_ref[g] = lse.T[:1, :]                                       # row [1, bq]
+
+
+def _forward(q, k, v, seg, ev, st: _Static):
+  """Padded q [B, T, N*Hp], k/v [B, T, K*Hp], seg [B, T], ev [B, K, T] | None
+  -> (o [B, T, N*Hp], lse [B, N, 1, T] f32)."""
+  B, T, _ = q.shape
+  G, Hp = st.groups, st.head_dim
+  K = k.shape[-1] // Hp
+  N = K * G
+  bq, bk = st.blocks.block_q, st.blocks.block_k
+  nq, nk = T // bq, T // bk
+  tabs = _tables(seg, ev, K, bq, bk, outer="q")
+  smem = lambda refs: _Smem(refs, K=K, nq=nq, nk=nk, n_outer=nq)
+  jf = lambda b, kh, i, j, refs: smem(refs).fetch(b, kh, i, j)
+
+  q_spec = pl.BlockSpec((None, bq, G * Hp), lambda b, kh, i, j, *r: (b, i, kh))
+  kv_spec = pl.BlockSpec((None, bk, Hp), lambda b, kh, i, j, *r: (b, jf(b, kh, i, j, r), kh))
+  segq_spec = pl.BlockSpec((None, 1, bq), lambda b, kh, i, j, *r: (b, 0, i))
+  segk_spec = pl.BlockSpec((None, 1, bk), lambda b, kh, i, j, *r: (b, 0, jf(b, kh, i, j, r)))
+  ev_spec = pl.BlockSpec((None, None, 1, bk),
+                         lambda b, kh, i, j, *r: (b, kh, 0, jf(b, kh, i, j, r)))
+  lse_spec = pl.BlockSpec((None, G, 1, bq), lambda b, kh, i, j, *r: (b, kh, 0, i))
+  seg3 = seg[:, None, :]
+  in_specs = [q_spec, kv_spec, kv_spec, segq_spec, segk_spec]
+  args = [q, k, v, seg3, seg3]
+  if ev is not None:
+    in_specs.append(ev_spec)
+    args.append(ev[:, :, None, :])
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=7, grid=(B, K, nq, nk), in_specs=in_specs,
+      out_specs=[q_spec, lse_spec],
+      scratch_shapes=[pltpu.VMEM((G, bq, LANES), jnp.float32),     # running max
+                      pltpu.VMEM((G, bq, LANES), jnp.float32),     # running sum
+                      pltpu.VMEM((bq, G * Hp), jnp.float32)])      # output accumulator
+  kernel = functools.partial(_fwd_kernel, st=st, K=K, nq=nq, nk=nk, has_ev=ev is not None)
+  return pl.pallas_call(
+      kernel, grid_spec=grid_spec,
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((B, N, 1, T), jnp.float32)],
+      compiler_params=_params(st, 3), interpret=_interpret(st),
+      name="vis_flash_tpu_fwd")(*tabs.args(), *args)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward (FlashAttention-2, Alg. 2):  p = exp(s - lse),  dv = p^T dO,  dp = dO v^T,
+# ds = p * (dp - delta),  dq = scale ds k,  dk = scale ds^T q,  delta = rowsum(dO * O).
+# --------------------------------------------------------------------------------------------
+
+
+def _dkdv_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
+  """Grid (B, K, nk, nq): key block j of kv head kh against the group's query blocks i."""
+  tabs, refs = refs[:7], refs[7:]
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref = refs[:8]
+  ev_ref = refs[8] if has_ev else None
+  dk_ref, dv_ref, dk_scr, dv_scr = refs[9 if has_ev else 8:]
+  bq, bk, G, Hp = st.blocks.block_q_bwd, st.blocks.block_k_bwd, st.groups, st.head_dim
+  b, kh, j, i = (pl.program_id(a) for a in range(4))
+  smem = _Smem(tabs, K=K, nq=nq, nk=nk, n_outer=nk)
+
+  @pl.when(i == 0)
+  def _init():
+    dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+    dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+  @pl.when(smem.live(b, kh, i, j, bq, bk))
+  def _compute():
+    # Transposed orientation [bk, bq]: key-side vectors are columns, query-side rows.
+    vis = _visible_qk(i * bq, j * bk, (bk, bq), segq_ref[...], _column(segk_ref),
+                      None if ev_ref is None else _column(ev_ref), transposed=True)
+    k = k_ref[...]                                                    # [bk, Hp]
+    v = v_ref[...]
+    for g in range(G):
+      hs = slice(g * Hp, (g + 1) * Hp)
+      q = q_ref[:, hs]                                                # [bq, Hp]
+      do = do_ref[:, hs]
+      s_t = _dot_nt(k, q) * st.scale                                  # [bk, bq]
+      p_t = jnp.where(vis, jnp.exp(s_t - lse_ref[g]), 0.0)           # lse row [1, bq]
+      dv_scr[...] += _dot(p_t.astype(do.dtype), do)
+      dp_t = _dot_nt(v, do)                                           # [bk, bq]
+      ds_t = p_t * (dp_t - delta_ref[g])
+      dk_scr[...] += _dot(ds_t.astype(q.dtype), q)
+
+  @pl.when(i == nq - 1)
+  def _finish():
+    dk_ref[...] = (dk_scr[...] * st.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
+  """Grid (B, K, nq, nk): query block i of the group of kv head kh against key blocks j.
+
+  Also computes delta = rowsum(dO * O) (at j == 0, as a column, which is what dq needs) and
+  writes it as a row for the dk/dv kernel, so delta never exists as an fp32 [B, T, N, H]
+  product in HBM (XLA:TPU materialised it for the equivalent jnp expression).
+  """
+  tabs, refs = refs[:7], refs[7:]
+  q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, segq_ref, segk_ref = refs[:8]
+  ev_ref = refs[8] if has_ev else None
+  dq_ref, delta_ref, dq_scr, delta_scr = refs[9 if has_ev else 8:]
+  bq, bk, G, Hp = st.blocks.block_q_bwd, st.blocks.block_k_bwd, st.groups, st.head_dim
+  b, kh, i, j = (pl.program_id(a) for a in range(4))
+  smem = _Smem(tabs, K=K, nq=nq, nk=nk, n_outer=nq)
+
+  @pl.when(j == 0)
+  def _init():
+    dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+    for g in range(G):
+      hs = slice(g * Hp, (g + 1) * Hp)
+      prod = do_ref[:, hs].astype(jnp.float32) * o_ref[:, hs].astype(jnp.float32)
+      delta_scr[g] = jnp.broadcast_to(jnp.sum(prod, axis=1, keepdims=True), (bq, LANES))
+
+  @pl.when(smem.live(b, kh, i, j, bq, bk))
+  def _compute():
+    vis = _visible_qk(i * bq, j * bk, (bq, bk), _column(segq_ref), segk_ref[...],
+                      None if ev_ref is None else ev_ref[...], transposed=False)
+    k = k_ref[...]
+    v = v_ref[...]
+    for g in range(G):
+      hs = slice(g * Hp, (g + 1) * Hp)
+      s = _dot_nt(q_ref[:, hs], k) * st.scale                        # [bq, bk]
+      p = jnp.where(vis, jnp.exp(s - _column(lse_ref.at[g])), 0.0)
+      dp = _dot_nt(do_ref[:, hs], v)
+      ds = p * (dp - _lanes(delta_scr[g], bk))
+      dq_scr[:, hs] += _dot(ds.astype(k.dtype), k)
+
+  @pl.when(j == nk - 1)
+  def _finish():
+    dq_ref[...] = (dq_scr[...] * st.scale).astype(dq_ref.dtype)
+    for g in range(G):
+      delta_ref[g] = delta_scr[g].T[:1, :]                            # row [1, bq]
+
+
+def _backward(q, k, v, seg, ev, o, lse, do, st: _Static):
+  """Padded residuals and dO [B, T, N*Hp] -> (dq, dk, dv) in the input dtypes."""
+  B, T, _ = q.shape
+  G, Hp = st.groups, st.head_dim
+  K = k.shape[-1] // Hp
+  N = K * G
+  bq, bk = st.blocks.block_q_bwd, st.blocks.block_k_bwd
+  nq, nk = T // bq, T // bk
+  seg3 = seg[:, None, :]
+  ev4 = None if ev is None else ev[:, :, None, :]
+  has_ev = ev is not None
+
+  # dq (and delta): outer over query blocks i, inner over key blocks j, like the forward.
+  tabs = _tables(seg, ev, K, bq, bk, outer="q")
+  smem = lambda refs: _Smem(refs, K=K, nq=nq, nk=nk, n_outer=nq)
+  jf = lambda b, kh, i, j, refs: smem(refs).fetch(b, kh, i, j)
+  qrow = pl.BlockSpec((None, bq, G * Hp), lambda b, kh, i, j, *r: (b, i, kh))
+  kvb = pl.BlockSpec((None, bk, Hp), lambda b, kh, i, j, *r: (b, jf(b, kh, i, j, r), kh))
+  stat = pl.BlockSpec((None, G, 1, bq), lambda b, kh, i, j, *r: (b, kh, 0, i))
+  segq = pl.BlockSpec((None, 1, bq), lambda b, kh, i, j, *r: (b, 0, i))
+  segk = pl.BlockSpec((None, 1, bk), lambda b, kh, i, j, *r: (b, 0, jf(b, kh, i, j, r)))
+  evk = pl.BlockSpec((None, None, 1, bk), lambda b, kh, i, j, *r: (b, kh, 0, jf(b, kh, i, j, r)))
+  in_specs = [qrow, kvb, kvb, qrow, qrow, stat, segq, segk] + ([evk] if has_ev else [])
+  args = [q, k, v, do, o, lse, seg3, seg3] + ([ev4] if has_ev else [])
+  dq, delta = pl.pallas_call(
+      functools.partial(_dq_kernel, st=st, K=K, nq=nq, nk=nk, has_ev=has_ev),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=7, grid=(B, K, nq, nk), in_specs=in_specs,
+          out_specs=[qrow, stat],
+          scratch_shapes=[pltpu.VMEM((bq, G * Hp), jnp.float32),
+                          pltpu.VMEM((G, bq, LANES), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((B, N, 1, T), jnp.float32)],
+      compiler_params=_params(st, 3), interpret=_interpret(st),
+      name="vis_flash_tpu_bwd_dq")(*tabs.args(), *args)
+
+  # dk, dv: outer over key blocks j, inner over query blocks i (fetch clamped to live i's).
+  tabs = _tables(seg, ev, K, bq, bk, outer="k")
+  smem = lambda refs: _Smem(refs, K=K, nq=nq, nk=nk, n_outer=nk)
+  if_ = lambda b, kh, j, i, refs: smem(refs).fetch(b, kh, j, i)
+  qrow = pl.BlockSpec((None, bq, G * Hp), lambda b, kh, j, i, *r: (b, if_(b, kh, j, i, r), kh))
+  kvb = pl.BlockSpec((None, bk, Hp), lambda b, kh, j, i, *r: (b, j, kh))
+  stat = pl.BlockSpec((None, G, 1, bq),
+                      lambda b, kh, j, i, *r: (b, kh, 0, if_(b, kh, j, i, r)))
+  segq = pl.BlockSpec((None, 1, bq), lambda b, kh, j, i, *r: (b, 0, if_(b, kh, j, i, r)))
+  segk = pl.BlockSpec((None, 1, bk), lambda b, kh, j, i, *r: (b, 0, j))
+  evk = pl.BlockSpec((None, None, 1, bk), lambda b, kh, j, i, *r: (b, kh, 0, j))
+  in_specs = [qrow, kvb, kvb, qrow, stat, stat, segq, segk] + ([evk] if has_ev else [])
+  args = [q, k, v, do, lse, delta, seg3, seg3] + ([ev4] if has_ev else [])
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, st=st, K=K, nq=nq, nk=nk, has_ev=has_ev),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=7, grid=(B, K, nk, nq), in_specs=in_specs,
+          out_specs=[kvb, kvb],
+          scratch_shapes=[pltpu.VMEM((bk, Hp), jnp.float32)] * 2),
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=_params(st, 3), interpret=_interpret(st),
+      name="vis_flash_tpu_bwd_dkdv")(*tabs.args(), *args)
+  return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point (validation, padding, layout).
+# --------------------------------------------------------------------------------------------
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _check_inputs(q, k, v, vis: LayerVisibility):
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"flash_attention_tpu: q {q.shape}, k {k.shape}, v {v.shape} must be "
+                     "[B, T, N, H], [B, T, K, H], [B, T, K, H]")
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  if k.shape != (B, T, K, H) or v.shape != k.shape:
+    raise ValueError(f"flash_attention_tpu: k {k.shape} and v {v.shape} must both be "
+                     f"[B={B}, T={T}, K, H={H}] (self-attention over one array)")
+  if N % K:
+    raise ValueError(f"flash_attention_tpu: query heads N={N} must be a multiple of kv heads "
+                     f"K={K}")
+  if vis.segment_ids is not None and vis.segment_ids.shape != (B, T):
+    raise ValueError(f"flash_attention_tpu: segment_ids {vis.segment_ids.shape} != [B, T] = "
+                     f"{(B, T)}")
+  if vis.evicted_at is not None and vis.evicted_at.shape != (B, K, T):
+    raise ValueError(f"flash_attention_tpu: evicted_at {vis.evicted_at.shape} != [B, K, T] = "
+                     f"{(B, K, T)} (pass LayerVisibility, i.e. Visibility.layer(l))")
+
+
+def flash_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
+                        vis: Optional[LayerVisibility] = None, *,
+                        scale: Optional[float] = None,
+                        block_sizes: TPUBlockSizes = TPUBlockSizes(),
+                        interpret: bool = False) -> jax.Array:
+  """Visibility-aware self-attention on TPU; same contract as `attention_reference`.
+
+  Args:
+    q: [B, T, N, H] queries (RoPE applied), bf16 or fp32.
+    k, v: [B, T, K, H]; N a multiple of K (GQA: query head n reads kv head n // (N // K)).
+    vis: segment ids [B, T] and this layer's evicted_at [B, K, T]; None = plain causal.
+    scale: logit scale, default 1/sqrt(H).
+    block_sizes: tiles (`TPUBlockSizes`); T is padded up to a multiple of the largest.
+    interpret: run the Mosaic TPU interpreter (CPU); False compiles for the TPU.
+  Returns:
+    [B, T, N, H] in q.dtype; query rows that see no key are zeros. Differentiable in q, k, v.
+  """
+  vis = vis or LayerVisibility()
+  _check_inputs(q, k, v, vis)
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  blocks = block_sizes.clamped(T)
+  T_pad = _round_up(T, max(blocks.block_q, blocks.block_k, blocks.block_q_bwd,
+                           blocks.block_k_bwd))
+  Hp = _round_up(H, LANES)
+  st = _Static(scale=H ** -0.5 if scale is None else float(scale), groups=N // K,
+               head_dim=Hp, blocks=blocks, interpret=interpret)
+  pad4 = ((0, 0), (0, T_pad - T), (0, 0), (0, Hp - H))
+  q, k, v = (jnp.pad(x, pad4).reshape(B, T_pad, -1) for x in (q, k, v))
+  # Padding positions (and T_pad - T tail) get segment 0: invisible to and from everything.
+  seg = (jnp.ones((B, T), jnp.int32) if vis.segment_ids is None
+         else vis.segment_ids.astype(jnp.int32))
+  seg = jnp.pad(seg, ((0, 0), (0, T_pad - T)))
+  ev = vis.evicted_at
+  if ev is not None:
+    ev = jnp.pad(ev.astype(jnp.int32), ((0, 0), (0, 0), (0, T_pad - T)))
+  o = _flash(q, k, v, seg, ev, st)
+  return o.reshape(B, T_pad, N, Hp)[:, :T, :, :H]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, seg, ev, st: _Static):
+  """Padded q [B, T, N*Hp], k/v [B, T, K*Hp], seg [B, T], ev [B, K, T] | None."""
+  return _forward(q, k, v, seg, ev, st)[0]
+
+
+def _flash_fwd(q, k, v, seg, ev, st: _Static):
+  o, lse = _forward(q, k, v, seg, ev, st)
+  return o, (q, k, v, seg, ev, o, lse)
+
+
+def _flash_bwd(st: _Static, res, do):
+  q, k, v, seg, ev, o, lse = res
+  dq, dk, dv = _backward(q, k, v, seg, ev, o, lse, do, st)
+  return dq, dk, dv, None, None   # integer side inputs get no cotangent
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
