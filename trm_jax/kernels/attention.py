@@ -1,45 +1,63 @@
 """One entry point for visibility-aware self-attention; picks an implementation.
 
-  impl="reference"         plain-jnp path, materialises [B, K, G, T, S] logits (attention_ref).
-  impl="pallas"            the flash kernel compiled for the accelerator (Triton on GPU).
-  impl="pallas_interpret"  the same kernel through the Pallas interpreter (CPU tests, memory
-                           benchmarks); slow, but numerically the kernel.
-  impl="auto"              "pallas" on GPU, "reference" elsewhere. The kernel's block layout is
-                           written for the Triton backend; TPU (Mosaic) takes the reference
-                           until a TPU layout exists.
+  impl="reference"             plain-jnp path, materialises [B, K, G, T, S] logits
+                               (attention_ref); any backend.
+  impl="pallas"                the Triton flash kernel (flash_attention.py), compiled for GPU.
+  impl="pallas_interpret"      the same Triton-layout kernel through the generic Pallas
+                               interpreter (CPU tests, memory benchmarks); slow, but
+                               numerically the kernel.
+  impl="pallas_tpu"            the Mosaic TPU flash kernel (flash_attention_tpu.py).
+  impl="pallas_tpu_interpret"  the TPU kernel through the Mosaic TPU interpreter
+                               (`pltpu.InterpretParams`) on CPU.
+  impl="auto"                  "pallas" on GPU, "pallas_tpu" on TPU, "reference" elsewhere.
+
+`block_sizes` is a `BlockSizes` for the Triton impls and a `TPUBlockSizes` for the TPU ones.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 
 from trm_jax.kernels.attention_ref import attention_reference
 from trm_jax.kernels.flash_attention import BlockSizes, flash_attention
+from trm_jax.kernels.flash_attention_tpu import TPUBlockSizes, flash_attention_tpu
 from trm_jax.kernels.visibility import LayerVisibility
 
-IMPLS = ("auto", "reference", "pallas", "pallas_interpret")
+IMPLS = ("auto", "reference", "pallas", "pallas_interpret", "pallas_tpu",
+         "pallas_tpu_interpret")
+_AUTO = {"gpu": "pallas", "tpu": "pallas_tpu"}
 
 
-def resolve_impl(impl: str) -> str:
-  """Maps "auto" to a concrete implementation for the default backend."""
+def resolve_impl(impl: str, backend: Optional[str] = None) -> str:
+  """Maps "auto" to a concrete implementation for `backend` (default: jax's default)."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl={impl!r}; expected one of {IMPLS}")
   if impl == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return _AUTO.get(backend or jax.default_backend(), "reference")
   return impl
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array,
               vis: Optional[LayerVisibility] = None, *, impl: str = "auto",
               scale: Optional[float] = None,
-              block_sizes: Optional[BlockSizes] = None) -> jax.Array:
+              block_sizes: Optional[Union[BlockSizes, TPUBlockSizes]] = None) -> jax.Array:
   """q [B, T, N, H], k/v [B, T, K, H] -> [B, T, N, H]; see `visibility.py` for semantics.
 
-  `block_sizes` tunes the Pallas kernel and is ignored by the reference.
+  `block_sizes` tunes the Pallas kernel of the chosen impl (`BlockSizes` for "pallas*",
+  `TPUBlockSizes` for "pallas_tpu*") and is ignored by the reference.
   """
   impl = resolve_impl(impl)
   if impl == "reference":
     return attention_reference(q, k, v, vis, scale=scale)
+  tpu = impl.startswith("pallas_tpu")
+  want = TPUBlockSizes if tpu else BlockSizes
+  if block_sizes is not None and not isinstance(block_sizes, want):
+    raise ValueError(f"attention impl={impl!r} takes block_sizes={want.__name__}(...), got "
+                     f"{type(block_sizes).__name__}")
+  if tpu:
+    return flash_attention_tpu(q, k, v, vis, scale=scale,
+                               block_sizes=block_sizes or TPUBlockSizes(),
+                               interpret=impl == "pallas_tpu_interpret")
   return flash_attention(q, k, v, vis, scale=scale, block_sizes=block_sizes or BlockSizes(),
                          interpret=impl == "pallas_interpret")

@@ -35,9 +35,9 @@ Deviations from the textbook kernel, and why:
     query rows are sliced off, and their zero cotangents contribute nothing to dk, dv.
 
 On CPU the kernel runs with `interpret=True` (tests, memory benchmark); on GPU it lowers to
-Triton. Written against jax 0.10.2's Pallas Triton backend; TPU (Mosaic) is not supported by
-this layout (squeezed head dims in the minor block dims), so `attention(impl="auto")` uses the
-reference there.
+Triton. Written against jax 0.10.2's Pallas Triton backend. Mosaic (TPU) cannot tile this
+layout (squeezed head dims in the minor block dims); TPU has its own kernel with the same
+predicate, `flash_attention_tpu.py`, which `attention(impl="auto")` picks there.
 """
 from __future__ import annotations
 
