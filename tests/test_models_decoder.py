@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from trm_jax.kernels import NEVER_EVICTED, Visibility, attention
-from trm_jax.models import Decoder, ModelConfig, make_test_model
+from trm_jax.models import Decoder, KVCache, ModelConfig, make_test_model
 from trm_jax.models.decoder import default_positions
 from trm_jax.models.layers import MoE
 
@@ -36,8 +36,8 @@ def test_call_is_unembed_of_hidden_states_chunked():
 
 
 def test_decode_submodules_compose_to_the_forward():
-  """The pieces the rollout engine calls (embed, qkv, attention, out, mlp, final_norm,
-  unembed) reproduce model(tokens)."""
+  """The public pieces step-by-step analyses use (embed, qkv, attention, out, mlp,
+  final_norm, unembed) reproduce model(tokens)."""
   @nnx.jit
   def both(model, tokens):
     pos = default_positions(tokens, None)
@@ -51,6 +51,69 @@ def test_decode_submodules_compose_to_the_forward():
   pieces, full = both(make_test_model(**MOE), _tokens())
   # Same ops; only XLA's fusion choices may differ between the two traces.
   np.testing.assert_allclose(np.asarray(pieces), np.asarray(full), atol=1e-6, rtol=0)
+
+
+class _StaticCache:
+  """A cache policy that never evicts: slot = array index (transformers' static cache)."""
+
+  def __init__(self, T):
+    self.T = T
+    self.seen = []
+
+  def prefill(self, layer, q, k, v):
+    self.seen.append(layer)
+    B, P, K, H = k.shape
+    pad = ((0, 0), (0, 0), (0, self.T - P), (0, 0))
+    idx = jnp.arange(self.T, dtype=jnp.int32)
+    return KVCache(k=jnp.pad(jnp.swapaxes(k, 1, 2), pad), v=jnp.pad(jnp.swapaxes(v, 1, 2), pad),
+                   pos=jnp.broadcast_to(jnp.where(idx < P, idx, -1), (B, K, self.T)),
+                   score=jnp.zeros((B, K, self.T), jnp.float32))
+
+  def free_slot(self, layer, cache, index):
+    return cache, index
+
+  def observe(self, layer, cache, probs):
+    assert probs.shape == cache.pos.shape[:2] + (2, self.T)           # [B, K, G, C]
+    return cache.replace(score=cache.score + probs.sum(axis=2))
+
+
+@pytest.mark.parametrize("overrides", [{}, MOE])
+def test_prefill_and_cached_decode_steps_equal_the_forward(overrides):
+  """The same blocks, run over a 6-token prompt and then one cached token at a time, give
+  the logits of the full forward at every index."""
+  B, T, P = 2, 10, 6
+  tokens = _tokens(B, T)
+
+  @nnx.jit
+  def run(model, tokens):
+    policy = _StaticCache(T)
+    h, caches = model.prefill(tokens[:, :P], policy)
+    assert policy.seen == [0, 1] and len(caches) == 2 and caches[0].k.shape == (B, 2, T, 16)
+    logits = [model.unembed(h)]
+    for i in range(P, T - 1):
+      pos = jnp.full((B, 1), i, jnp.int32)
+      h, caches = model.decode_step(tokens[:, i:i + 1], caches, policy, positions=pos,
+                                    index=jnp.int32(i))
+      logits.append(model.unembed(h))
+    return jnp.stack(logits, axis=1), model(tokens)[:, P - 1:T - 1], caches
+  cached, full, caches = run(make_test_model(**overrides), tokens)
+  np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=1e-6, rtol=0)
+  # Every decode step wrote its key and the policy saw the probabilities of each query.
+  assert np.asarray(caches[1].pos)[0, 0].tolist() == list(range(T - 1)) + [-1]
+  np.testing.assert_allclose(np.asarray(caches[0].score).sum(-1), 2.0 * (T - 1 - P), rtol=1e-5)
+
+
+def test_cached_decoding_rejects_misuse():
+  model = make_test_model()
+  policy = _StaticCache(4)
+  _, caches = model.prefill(_tokens(1, 3), policy)
+  pos = jnp.zeros((1, 2), jnp.int32)
+  with pytest.raises(ValueError, match=r"one token per row at a given index; got x \(1, 2, 64\)"):
+    model.decode_step(_tokens(1, 2), caches, policy, positions=pos, index=jnp.int32(3))
+  with pytest.raises(ValueError, match="decode_step got 1 caches, model has 2 layers"):
+    model.decode_step(_tokens(1, 1), caches[:1], policy, positions=pos[:, :1], index=3)
+  with pytest.raises(ValueError, match="a cache without the policy"):
+    model.layers[0].attn(jnp.zeros((1, 1, 64)), pos[:, :1], cache=caches[0])
 
 
 def test_never_evicted_is_plain_causal_and_eviction_only_affects_later_queries():

@@ -2,11 +2,14 @@
 
   model = from_pretrained(path, dtype=jnp.float32, param_dtype=None, mesh=None, rules=None)
   logits = model(tokens)                       # [B, T] int32 -> [B, T, V] float32
+  h, caches = model.prefill(prompt, policy)    # cached decoding; `KVCache`, `CachePolicy`
+  h, caches = model.decode_step(tok, caches, policy, positions=pos, index=i)
   save_pretrained(model, out_dir)              # config.json + safetensors for transformers
 """
 from trm_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from trm_jax.models.decoder import Decoder, default_positions, make_test_model
 from trm_jax.models.hf_io import from_pretrained, save_pretrained
+from trm_jax.models.kv_cache import CachePolicy, KVCache
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig", "Decoder", "default_positions",
-           "make_test_model", "from_pretrained", "save_pretrained"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig", "CachePolicy", "Decoder", "KVCache",
+           "default_positions", "make_test_model", "from_pretrained", "save_pretrained"]

@@ -3,10 +3,14 @@
 Pre-norm blocks: h = x + attn(norm(x)); y = h + mlp(norm(h)). Attention never sees a [T, T]
 mask: it is told who may see whom by a `Visibility` (causal + segment ids + per-key
 `evicted_at`), which is how the learner replays the rollout's KV-cache evictions (SMD).
+
+The same `Block` serves the learner's forward and the sampler's cached decoding: given a
+`CachePolicy` it also returns its layer's `KVCache` (built at prefill, updated per decode step),
+so there is one definition of the block to keep equal to the checkpoint's.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +19,10 @@ from flax import nnx
 from trm_jax import sharding as shd
 from trm_jax.kernels.visibility import LayerVisibility, Visibility
 from trm_jax.models.config import ModelConfig
+from trm_jax.models.kv_cache import CachePolicy, KVCache
 from trm_jax.models.layers import MLP, Attention, MoE, RMSNorm, param
+
+Caches = Tuple[KVCache, ...]  # one per layer
 
 
 class Embedding(nnx.Module):
@@ -36,17 +43,21 @@ class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
     self.input_norm = RMSNorm(cfg.hidden_size, cfg)
-    self.attn = Attention(cfg, rngs=rngs)
+    self.attn = Attention(cfg, layer_idx, rngs=rngs)
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg)
     self.mlp = (MoE(cfg, layer_idx, rngs=rngs) if cfg.is_moe_layer(layer_idx)
                 else MLP(cfg, rngs=rngs))
 
-  def __call__(self, x: jax.Array, positions: jax.Array, vis: Optional[LayerVisibility], *,
-               attn_impl: str = "auto", router_noise_key: Optional[jax.Array] = None,
-               router_noise_scale: float = 0.0) -> jax.Array:
-    """x [B, T, D] -> [B, T, D]."""
-    h = x + self.attn(self.input_norm(x), positions, vis, impl=attn_impl)
-    return h + self.mlp(self.post_attn_norm(h), router_noise_key, router_noise_scale)
+  def __call__(self, x: jax.Array, positions: jax.Array,
+               vis: Optional[LayerVisibility] = None, *, attn_impl: str = "auto",
+               router_noise_key: Optional[jax.Array] = None, router_noise_scale: float = 0.0,
+               cache: Optional[KVCache] = None, policy: Optional[CachePolicy] = None,
+               index: Optional[jax.Array] = None) -> Tuple[jax.Array, Optional[KVCache]]:
+    """x [B, T, D] -> (y [B, T, D], cache); `cache`, `policy`, `index` as in `Attention`."""
+    a, cache = self.attn(self.input_norm(x), positions, vis, impl=attn_impl, cache=cache,
+                         policy=policy, index=index)
+    h = x + a
+    return h + self.mlp(self.post_attn_norm(h), router_noise_key, router_noise_scale), cache
 
 
 def default_positions(tokens: jax.Array, visibility: Optional[Visibility]) -> jax.Array:
@@ -77,14 +88,18 @@ class Decoder(nnx.Module):
     `visibility.evicted_at` is [B, L, K, T]; layer l attends with `visibility.layer(l)`.
     router noise only affects MoE layers (see `layers.MoE`).
 
-  Submodules for a cached decode step (the rollout engine):
-    `model.embed(tokens [B, T]) -> [B, T, D]` in the compute dtype;
-    `model.layers[l]` with `.input_norm`, `.attn`, `.post_attn_norm`, `.mlp`;
-    `attn.qkv(x [B, T, D], positions [B, T]) -> q [B, T, N, H], k, v [B, T, K, H]`
-      (bias, q/k norm and RoPE applied);
-    `attn.out(o [B, T, N, H]) -> [B, T, D]`;
-    `layer.mlp(x, router_noise_key=None, router_noise_scale=0.0) -> [B, T, D]`;
-    `model.final_norm(h)`; then `model.unembed(h)`.
+  Cached decoding (the rollout engine), same blocks, with a `CachePolicy` that builds and
+  evicts the caches (`trm_jax.models.kv_cache`):
+    `model.prefill(tokens [B, P], policy, **forward kwargs) -> (h [B, D], caches)`: the
+      forward above, plus each layer's cache from its prompt q/k/v; h is the last index's;
+    `model.decode_step(tokens [B, 1], caches, policy, *, positions [B, 1], index,
+      router_noise_key=None, router_noise_scale=0.0) -> (h [B, D], caches)`: one token per
+      row, at array index `index` [] int32, attending over the caches.
+    `h` is final-normed, as `hidden_states`: `model.unembed(h)` gives the next-token logits.
+  Pieces for step-by-step analyses: `model.embed(tokens) -> [B, T, D]`; `model.layers[l]` with
+  `.input_norm`, `.attn` (`.qkv(x, positions) -> q [B, T, N, H], k, v [B, T, K, H]` with bias,
+  q/k norm and RoPE applied; `.out(o [B, T, N, H]) -> [B, T, D]`), `.post_attn_norm`, `.mlp`;
+  `model.final_norm`.
   """
 
   def __init__(self, config: ModelConfig, *, rngs: Optional[nnx.Rngs] = None):
@@ -102,6 +117,45 @@ class Decoder(nnx.Module):
                     router_noise_key: Optional[jax.Array] = None,
                     router_noise_scale: float = 0.0) -> jax.Array:
     """tokens [B, T] -> final-normed hidden states [B, T, D] (compute dtype)."""
+    x, _ = self._blocks(tokens, positions, visibility, attn_impl=attn_impl,
+                        router_noise_key=router_noise_key,
+                        router_noise_scale=router_noise_scale)
+    return self.final_norm(x)
+
+  def prefill(self, tokens: jax.Array, policy: CachePolicy, *,
+              positions: Optional[jax.Array] = None, visibility: Optional[Visibility] = None,
+              attn_impl: str = "auto", router_noise_key: Optional[jax.Array] = None,
+              router_noise_scale: float = 0.0) -> Tuple[jax.Array, Caches]:
+    """tokens [B, P] -> (final-normed hidden state of the last index [B, D], L caches built
+    by `policy`). Left-padded prompts all end at index P - 1, so that state samples the
+    first new token of every row."""
+    x, caches = self._blocks(tokens, positions, visibility, attn_impl=attn_impl,
+                             router_noise_key=router_noise_key,
+                             router_noise_scale=router_noise_scale, policy=policy)
+    return self.final_norm(x[:, -1]), caches
+
+  def decode_step(self, tokens: jax.Array, caches: Sequence[KVCache], policy: CachePolicy, *,
+                  positions: jax.Array, index: jax.Array,
+                  router_noise_key: Optional[jax.Array] = None,
+                  router_noise_scale: float = 0.0) -> Tuple[jax.Array, Caches]:
+    """tokens [B, 1] at array index `index` [], RoPE positions [B, 1] ->
+    (final-normed hidden state [B, D], updated caches)."""
+    if len(caches) != self.config.num_layers:
+      raise ValueError(f"decode_step got {len(caches)} caches, model has "
+                       f"{self.config.num_layers} layers")
+    x, caches = self._blocks(tokens, positions, None, router_noise_key=router_noise_key,
+                             router_noise_scale=router_noise_scale, policy=policy,
+                             caches=caches, index=index)
+    # Slice, then norm (as `prefill`): XLA rounds a bf16 norm of [B, 1, D] followed by the
+    # slice differently, and the sampler's outputs are kept bitwise.
+    return self.final_norm(x[:, 0]), caches
+
+  def _blocks(self, tokens, positions, visibility, *, attn_impl: str = "auto",
+              router_noise_key=None, router_noise_scale: float = 0.0,
+              policy: Optional[CachePolicy] = None, caches: Optional[Sequence[KVCache]] = None,
+              index=None) -> Tuple[jax.Array, Caches]:
+    """The layer loop of every forward: embed and blocks -> (residual stream [B, T, D] before
+    the final norm, caches; empty without a policy)."""
     cfg = self.config
     if visibility is not None and visibility.evicted_at is not None:
       L = visibility.evicted_at.shape[1]
@@ -111,16 +165,25 @@ class Decoder(nnx.Module):
       positions = default_positions(tokens, visibility)
     residual_axes = (shd.BATCH, shd.LENGTH, shd.EMBED)
     x = shd.constrain(self.embed(tokens), residual_axes)
+    new_caches = []
     for l, layer in enumerate(self.layers):
       vis = None if visibility is None else visibility.layer(l)
-
-      def run(block, x, positions, vis, key):
-        return block(x, positions, vis, attn_impl=attn_impl, router_noise_key=key,
-                     router_noise_scale=router_noise_scale)
-      if cfg.remat:
-        run = nnx.remat(run)
-      x = shd.constrain(run(layer, x, positions, vis, router_noise_key), residual_axes)
-    return self.final_norm(x)
+      if policy is None:
+        def run(block, x, positions, vis, key):
+          return block(x, positions, vis, attn_impl=attn_impl, router_noise_key=key,
+                       router_noise_scale=router_noise_scale)[0]
+        if cfg.remat:
+          run = nnx.remat(run)
+        x = run(layer, x, positions, vis, router_noise_key)
+      else:
+        # Cached decoding never runs a backward pass, so remat would buy nothing.
+        x, cache = layer(x, positions, vis, attn_impl=attn_impl,
+                         router_noise_key=router_noise_key,
+                         router_noise_scale=router_noise_scale, policy=policy,
+                         cache=None if caches is None else caches[l], index=index)
+        new_caches.append(cache)
+      x = shd.constrain(x, residual_axes)
+    return x, tuple(new_caches)
 
   def unembed(self, h: jax.Array) -> jax.Array:
     """h [..., D] -> logits [..., V] float32 (fp32 accumulation)."""

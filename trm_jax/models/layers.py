@@ -23,6 +23,7 @@ from flax import nnx
 from trm_jax import sharding as shd
 from trm_jax.kernels import attention
 from trm_jax.kernels.visibility import LayerVisibility
+from trm_jax.models import kv_cache
 from trm_jax.models.config import ModelConfig
 
 # transformers' default `initializer_range`: random models start at the same scale as HF ones.
@@ -111,12 +112,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 class Attention(nnx.Module):
-  """GQA self-attention; `qkv` and `out` are exposed for the rollout engine's cached decode."""
+  """GQA self-attention over the sequence, or over a KV cache (see `__call__`).
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  `qkv` and `out` are public so tests and analyses can rebuild the attention step by step.
+  """
+
+  def __init__(self, cfg: ModelConfig, layer_idx: int = 0, *, rngs: nnx.Rngs):
     D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     pd = cfg.weight_dtype
     self.cfg = cfg
+    self.layer_idx = layer_idx  # told to the cache policy, which keeps per-layer decisions
     self.q_proj = param(rngs, (D, N, H), (shd.EMBED, shd.Q_HEADS, shd.HEAD_DIM), pd)
     self.k_proj = param(rngs, (D, K, H), (shd.EMBED, shd.KV_HEADS, shd.HEAD_DIM), pd)
     self.v_proj = param(rngs, (D, K, H), (shd.EMBED, shd.KV_HEADS, shd.HEAD_DIM), pd)
@@ -156,9 +161,36 @@ class Attention(nnx.Module):
     return y
 
   def __call__(self, x: jax.Array, positions: jax.Array,
-               vis: Optional[LayerVisibility] = None, *, impl: str = "auto") -> jax.Array:
+               vis: Optional[LayerVisibility] = None, *, impl: str = "auto",
+               cache: Optional[kv_cache.KVCache] = None,
+               policy: Optional[kv_cache.CachePolicy] = None,
+               index: Optional[jax.Array] = None
+               ) -> Tuple[jax.Array, Optional[kv_cache.KVCache]]:
+    """x [B, T, D], positions [B, T] (RoPE) -> (y [B, T, D], cache).
+
+    Three modes:
+      policy None: attention over x with `vis` (`kernels.attention`); cache None.
+      policy, no cache (prefill): the same attention over x, and the layer's cache built by
+        `policy.prefill` from this layer's q/k/v.
+      policy and cache (decode, T = 1): the key of array index `index` [] int32 is written
+        where `policy.free_slot` says, the query attends over the cache's filled slots, and
+        `policy.observe` sees the attention probabilities. `vis` is ignored.
+    """
     q, k, v = self.qkv(x, positions)
-    return self.out(attention(q, k, v, vis, impl=impl))
+    if policy is None:
+      if cache is not None:
+        raise ValueError("Attention got a cache without the policy that evicts it")
+      return self.out(attention(q, k, v, vis, impl=impl)), None
+    if cache is None:
+      return (self.out(attention(q, k, v, vis, impl=impl)),
+              policy.prefill(self.layer_idx, q, k, v))
+    if x.shape[1] != 1 or index is None:
+      raise ValueError(f"cached attention decodes one token per row at a given index; got x "
+                       f"{tuple(x.shape)} and index={index}")
+    cache, slot = policy.free_slot(self.layer_idx, cache, index)
+    cache = kv_cache.write(cache, slot, k[:, 0], v[:, 0], index)
+    o, probs = kv_cache.attend(q[:, 0], cache)                      # probs [B, K, G, C]
+    return self.out(o[:, None]), policy.observe(self.layer_idx, cache, probs)
 
 
 class MLP(nnx.Module):

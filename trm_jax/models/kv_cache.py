@@ -1,0 +1,116 @@
+"""The KV cache a decoder layer reads and writes during cached decoding, and the policy hook.
+
+A cache is a functional value, passed into `Attention` / `Block` / `Decoder.decode_step` and
+returned updated. It holds C slots per (row, kv head); which key sits in which slot, and which
+key leaves when a row's budget is full, is decided by a `CachePolicy` that the caller supplies
+(the rollout engine's eviction policies). The model only writes the new key where the policy
+says and attends over the slots, so `trm_jax.models` never depends on a policy.
+
+Keys keep their RoPE rotation (applied before caching, never re-rotated), and `pos` records the
+*array index* of each key, so a teacher-forced forward with
+`Visibility(segment_ids, evicted_at)` replays exactly the attention a cached decode did.
+
+Attention over the cache mirrors `kernels.attention_ref` op for op (fp32 logits, -inf on empty
+slots, guarded softmax, probabilities cast to the value dtype): that is what makes cached
+log-probs equal the teacher-forced ones to float rounding.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol, Tuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+  """One layer's cache."""
+  k: jax.Array          # [B, K, C, H] keys (RoPE applied), compute dtype
+  v: jax.Array          # [B, K, C, H] values
+  pos: jax.Array        # [B, K, C] int32 array index of the key in each slot, -1 = empty
+  score: jax.Array      # [B, K, C] fp32 per-slot score the policy keeps (H2O: accumulated
+                        #   attention), reset to 0 when a key is written; 0 otherwise
+  evicted_at: Optional[jax.Array] = None  # [B, K, T] int32 retention record: key j was
+                        #   visible to queries j <= i < evicted_at[b, k, j]; None = no record
+
+
+class CachePolicy(Protocol):
+  """What a cached attention layer asks of whoever owns the cache (builds and evicts it).
+
+  `layer` is the asking layer's index; `index` the array index of the token being decoded
+  (the same for every row). All methods are pure: they return new values.
+  """
+
+  def prefill(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """q [B, P, N, H], k/v [B, P, K, H] of the prompt (RoPE applied) -> the layer's cache."""
+    ...
+
+  def free_slot(self, layer: int, cache: KVCache, index: jax.Array
+                ) -> Tuple[KVCache, jax.Array]:
+    """Where the key at `index` goes: (cache with that slot released, slot).
+
+    slot is [] int32 (one slot for every row and head: written with one
+    dynamic_update_slice) or [B, K] int32 (per row and head: a scatter).
+    """
+    ...
+
+  def observe(self, layer: int, cache: KVCache, probs: jax.Array) -> KVCache:
+    """After the decode query attended: probs [B, K, G, C] fp32 (0 on empty slots)."""
+    ...
+
+
+def write(cache: KVCache, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
+          index: jax.Array) -> KVCache:
+  """Writes the key at array index `index` into `slot` (see `CachePolicy.free_slot`).
+
+  Args:
+    slot: [] int32 (same slot for all rows and heads) or [B, K] int32.
+    k_new, v_new: [B, K, H].
+    index: [] int32 array index of the new key.
+  """
+  B, K = cache.pos.shape[:2]
+  if jnp.ndim(slot) == 0:
+    at = (0, 0, slot)
+    return cache.replace(
+        k=jax.lax.dynamic_update_slice(cache.k, k_new[:, :, None].astype(cache.k.dtype),
+                                       at + (0,)),
+        v=jax.lax.dynamic_update_slice(cache.v, v_new[:, :, None].astype(cache.v.dtype),
+                                       at + (0,)),
+        pos=jax.lax.dynamic_update_slice(cache.pos, jnp.full((B, K, 1), index, jnp.int32), at),
+        score=jax.lax.dynamic_update_slice(cache.score, jnp.zeros((B, K, 1), jnp.float32),
+                                           at))
+  b = jnp.arange(B)[:, None]
+  h = jnp.arange(K)[None, :]
+  return cache.replace(
+      k=cache.k.at[b, h, slot].set(k_new.astype(cache.k.dtype)),
+      v=cache.v.at[b, h, slot].set(v_new.astype(cache.v.dtype)),
+      pos=cache.pos.at[b, h, slot].set(jnp.asarray(index).astype(jnp.int32)),
+      score=cache.score.at[b, h, slot].set(0.0))
+
+
+def attend(q: jax.Array, cache: KVCache, *, scale: Optional[float] = None):
+  """One decode query per row over the cache's filled slots.
+
+  Args:
+    q: [B, N, H] query (RoPE applied).
+  Returns:
+    o [B, N, H] in q.dtype, and probs [B, K, G, C] fp32 (0 on empty slots).
+  """
+  B, N, H = q.shape
+  K = cache.k.shape[1]
+  G = N // K
+  scale = H ** -0.5 if scale is None else scale
+  qg = q.reshape(B, K, G, H)
+  logits = jnp.einsum("BKGH,BKCH->BKGC", qg, cache.k,
+                      preferred_element_type=jnp.float32) * scale   # [B, K, G, C]
+  logits = jnp.where((cache.pos >= 0)[:, :, None, :], logits, -jnp.inf)
+  # Same guarded softmax as attention_ref (a row always sees at least its own key here).
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(logits - m)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(denom > 0, denom, 1.0)
+  o = jnp.einsum("BKGC,BKCH->BKGH", p.astype(cache.v.dtype), cache.v,
+                 preferred_element_type=jnp.float32)
+  return o.reshape(B, N, H).astype(q.dtype), p
