@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from trm_jax.kernels.visibility import NEVER_EVICTED
+from trm_jax.models import kv_cache
 from trm_jax.rollout import CacheConfig, SamplingConfig, sampled_logprobs, token_logprobs
 from trm_jax.rollout import cache as kv
 from trm_jax.rollout import eviction, sampling
@@ -109,16 +110,17 @@ def test_from_prompt_right_aligns_kept_keys():
   c = kv.from_prompt(k, k, keep, jnp.zeros((B, K, P)), num_prompt_slots=3, num_total_slots=5)
   assert c.pos.tolist() == [[[1, 3, 4, -1, -1], [-1, 0, 5, -1, -1]]]
   assert c.k[0, 0, :3, 0].tolist() == [1.0, 3.0, 4.0]
-  c = kv.insert(c, jnp.array([[3, 3]]), jnp.full((B, K, H), 9.0), jnp.full((B, K, H), 9.0),
-                jnp.int32(6), uniform=True)
+  c = kv_cache.write(c, jnp.int32(3), jnp.full((B, K, H), 9.0), jnp.full((B, K, H), 9.0),
+                     jnp.int32(6))
   assert c.pos[0, :, 3].tolist() == [6, 6] and c.k[0, 1, 3, 0] == 9.0
 
 
-def _cache(pos, score):
+def _cache(pos, score, T):
   pos = jnp.asarray(pos, jnp.int32)[None, None]                          # [1, 1, C]
   C = pos.shape[-1]
   z = jnp.zeros((1, 1, C, 1))
-  return kv.LayerCache(k=z, v=z, pos=pos, score=jnp.asarray(score, jnp.float32)[None, None])
+  return kv_cache.KVCache(k=z, v=z, pos=pos, score=jnp.asarray(score, jnp.float32)[None, None],
+                          evicted_at=jnp.full((1, 1, T), NEVER_EVICTED, jnp.int32))
 
 
 @pytest.mark.parametrize("policy,extra,pos,score,victim", [
@@ -130,22 +132,20 @@ def _cache(pos, score):
 ])
 def test_evict_picks_the_documented_victim(policy, extra, pos, score, victim):
   cfg = CacheConfig(policy=policy, capacity=5, **extra)
-  c = _cache(pos, score)
-  ev = jnp.full((1, 2, 1, 12), NEVER_EVICTED, jnp.int32)
-  c2, ev2, slot = eviction.evict(cfg, c, ev, layer=1, step=10, start=jnp.array([1]),
-                                 budget=jnp.array([5]), prompt_len=6)
+  c = _cache(pos, score, 12)
+  c2, slot = eviction.evict(cfg, c, layer=1, step=10, start=jnp.array([1]),
+                            budget=jnp.array([5]), prompt_len=6)
   assert int(c.pos[0, 0, slot[0, 0]]) == victim and int(c2.pos[0, 0, slot[0, 0]]) == -1
-  ev2 = np.asarray(ev2)
-  assert ev2[0, 1, 0, victim] == 10 and (ev2 == 10).sum() == 1
+  ev2 = np.asarray(c2.evicted_at)
+  assert ev2[0, 0, victim] == 10 and (ev2 == 10).sum() == 1
 
 
 def test_evict_uses_an_empty_slot_below_budget():
   cfg = CacheConfig(policy="h2o", capacity=5)
-  c = _cache([4, -1, 2, -1, 3], [1, 0, 1, 0, 1])
-  ev = jnp.full((1, 1, 1, 8), NEVER_EVICTED, jnp.int32)
-  c2, ev2, slot = eviction.evict(cfg, c, ev, layer=0, step=5, start=jnp.array([2]),
-                                 budget=jnp.array([5]), prompt_len=5)
-  assert int(slot[0, 0]) == 1 and (np.asarray(ev2) == NEVER_EVICTED).all()
+  c = _cache([4, -1, 2, -1, 3], [1, 0, 1, 0, 1], 8)
+  c2, slot = eviction.evict(cfg, c, layer=0, step=5, start=jnp.array([2]),
+                            budget=jnp.array([5]), prompt_len=5)
+  assert int(slot[0, 0]) == 1 and (np.asarray(c2.evicted_at) == NEVER_EVICTED).all()
   assert np.array_equal(c2.pos, c.pos)
 
 

@@ -4,11 +4,12 @@
 rollout's `evicted_at` [B, L, K, T] replays the sampler's attention in the learner through
 `trm_jax.kernels.visibility.Visibility`.
 """
-from trm_jax.rollout.cache import LayerCache, num_slots
-from trm_jax.rollout.sampler import generate, generate_from_state, run_phase
+from trm_jax.rollout.cache import num_slots
+from trm_jax.rollout.eviction import CacheEviction
+from trm_jax.rollout.sampler import DecodeState, generate, generate_from_state, run_phase
 from trm_jax.rollout.sampling import sampled_logprobs, token_logprobs
 from trm_jax.rollout.types import CacheConfig, Rollout, RolloutStats, SamplingConfig
 
-__all__ = ["CacheConfig", "LayerCache", "Rollout", "RolloutStats", "SamplingConfig",
-           "generate", "generate_from_state", "num_slots", "run_phase", "sampled_logprobs",
-           "token_logprobs"]
+__all__ = ["CacheConfig", "CacheEviction", "DecodeState", "Rollout", "RolloutStats",
+           "SamplingConfig", "generate", "generate_from_state", "num_slots", "run_phase",
+           "sampled_logprobs", "token_logprobs"]

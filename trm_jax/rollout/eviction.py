@@ -26,15 +26,22 @@ each decode query i that would overflow the budget (`evict`: drop the lowest key
 i). Deviation from H2O's description: H2O evicts after attending with budget + 1 keys; we
 evict before inserting key i, so no query ever sees more than `budget` keys. The decision uses
 the same information (scores through query i - 1).
+
+`CacheEviction` plugs all of this into the model's cached attention (it is the
+`trm_jax.models.CachePolicy` the sampler passes to `Decoder.prefill` / `decode_step`); each
+layer's retention record lives in its cache (`KVCache.evicted_at`, [B, K, T]).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from trm_jax.rollout.cache import LayerCache
+from trm_jax.kernels.visibility import NEVER_EVICTED
+from trm_jax.models.kv_cache import KVCache
+from trm_jax.rollout import cache as kv
 from trm_jax.rollout.types import RATIO_GRID, CacheConfig
 
 
@@ -174,23 +181,23 @@ def _lex_argmin(valid, prot, prio, pos) -> jax.Array:
   return jnp.argmin(jnp.where(cand, pos, jnp.iinfo(jnp.int32).max), axis=-1).astype(jnp.int32)
 
 
-def evict(cfg: CacheConfig, cache: LayerCache, evicted_at: jax.Array, *, layer: int, step,
-          start: jax.Array, budget: jax.Array, prompt_len: int,
-          rand_key: Optional[jax.Array] = None):
+def evict(cfg: CacheConfig, cache: KVCache, *, layer: int, step, start: jax.Array,
+          budget: jax.Array, prompt_len: int, rand_key: Optional[jax.Array] = None
+          ) -> Tuple[KVCache, jax.Array]:
   """Frees one slot per (row, kv head) for the key at array index `step`.
 
   Where a row already holds `budget` keys, the lowest-ranked key leaves and
-  evicted_at[b, layer, h, its index] = step (query `step` is the first that cannot see it);
+  cache.evicted_at[b, h, its index] = step (query `step` is the first that cannot see it);
   otherwise an empty slot is used and nothing is evicted.
 
   Args:
-    cache: this layer's cache (scores accumulated through query step - 1).
-    evicted_at: [B, L, K, T] int32 retention record.
+    cache: layer `layer`'s cache (scores accumulated through query step - 1), with its
+      retention record evicted_at [B, K, T].
   Returns:
-    (cache with the slot emptied, evicted_at, slot [B, K] int32 to insert into).
+    (cache with the slot emptied and the eviction recorded, slot [B, K] int32 to write into).
   """
   B, K, C = cache.pos.shape
-  T = evicted_at.shape[-1]
+  T = cache.evicted_at.shape[-1]
   valid = cache.pos >= 0
   full = jnp.sum(valid, axis=-1) >= budget[:, None]                     # [B, K]
   prot, prio = priorities(cfg, cache.pos, cache.score, step=step, start=start,
@@ -203,6 +210,57 @@ def evict(cfg: CacheConfig, cache: LayerCache, evicted_at: jax.Array, *, layer: 
   gone = jnp.where(full, gone, T)                                        # T: dropped write
   b = jnp.arange(B)[:, None]
   h = jnp.arange(K)[None, :]
-  evicted_at = evicted_at.at[b, layer, h, gone].set(step, mode="drop")
+  evicted_at = cache.evicted_at.at[b, h, gone].set(step, mode="drop")
   pos = cache.pos.at[b, h, slot].set(-1)
-  return cache.replace(pos=pos), evicted_at, slot
+  return cache.replace(pos=pos, evicted_at=evicted_at), slot
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheEviction:
+  """The sampler's `trm_jax.models.CachePolicy`: a cache per layer, evicted by `cfg`.
+
+  Built inside the jitted sampler (the arrays are traced values of one `generate` call).
+  """
+  cfg: CacheConfig
+  valid: jax.Array                 # [B, P] bool non-padding prompt positions
+  start: jax.Array                 # [B] int32 array index of each row's first valid token
+  keep: jax.Array                  # [B] int32 prompt keys kept after prefill
+  budget: jax.Array                # [B] int32 most keys a row may hold at once
+  length: int                      # T = P + R, the retention record's length
+  prompt_slots: int                # Cp: slots of the compressed prompt (`cache.prompt_slots`)
+  total_slots: int                 # C (`cache.num_slots`)
+  rand_key: Optional[jax.Array]    # the random policy's key (`random_priority`)
+
+  def prefill(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """Prompt q [B, P, N, H], k/v [B, P, K, H] -> the layer's cache; dropped prompt keys get
+    evicted_at = P (the first generated query cannot see them)."""
+    cfg, valid = self.cfg, self.valid
+    P = valid.shape[1]
+    score = prompt_scores(cfg, q, k, valid)                                  # [B, K, P]
+    kept = select_prompt(cfg, valid, score, self.keep, start=self.start, budget=self.budget,
+                         layer=layer, rand_key=self.rand_key)                # [B, K, P]
+    dropped = valid[:, None, :] & ~kept
+    B, K = kept.shape[:2]
+    evicted_at = jnp.full((B, K, self.length), NEVER_EVICTED, jnp.int32)
+    evicted_at = evicted_at.at[:, :, :P].set(jnp.where(dropped, P, NEVER_EVICTED))
+    cache = kv.from_prompt(k, v, kept, score if cfg.policy == "h2o" else jnp.zeros_like(score),
+                           num_prompt_slots=self.prompt_slots, num_total_slots=self.total_slots)
+    return cache.replace(evicted_at=evicted_at)
+
+  def free_slot(self, layer: int, cache: KVCache, index: jax.Array
+                ) -> Tuple[KVCache, jax.Array]:
+    """Dense: slot = index; scope "prompt": the next slot after the prompt's, the same for
+    every row; scope "sequence": `evict`."""
+    scope = self.cfg.resolved_scope
+    if scope == "sequence":
+      return evict(self.cfg, cache, layer=layer, step=index, start=self.start,
+                   budget=self.budget, prompt_len=self.valid.shape[1], rand_key=self.rand_key)
+    if scope is None:
+      return cache, index
+    return cache, self.prompt_slots + (index - self.valid.shape[1])
+
+  def observe(self, layer: int, cache: KVCache, probs: jax.Array) -> KVCache:
+    """H2O accumulates each key's attention mass, summed over the GQA group."""
+    if self.cfg.policy == "h2o":
+      return cache.replace(score=cache.score + probs.sum(axis=2))
+    return cache

@@ -5,15 +5,20 @@ one `jax.jit`-compiled pure function that merges it inside (nnx.jit's per-call g
 is ~15x slower to dispatch). Everything static (sampling and cache configs, the graph) is a
 static argument, so calls with the same bucketed shapes reuse one executable.
 
-Indexing. Prompts are left-padded to the bucket P; all rows then share array indices: the
-prompt ends at P - 1, token P is sampled from the prefill's last logits, and decode query i
-(i = P .. P + N - 2) feeds token i and samples token i + 1. RoPE position of index i in row b
-is i - (P - len_b), which is what `Decoder`'s default positions give the learner for
-`segment_ids` = 1 on valid tokens. `evicted_at` uses the same array indices.
+The model's own blocks do the work (`Decoder.prefill`, then `Decoder.decode_step` per token,
+with `eviction.CacheEviction` as the cache policy); this module keeps the loop, the output
+buffers (`DecodeState`) and sampling.
+
+Indexing. Prompts are left-padded to the bucket P; R new tokens follow, T = P + R. All rows
+share array indices: the prompt ends at P - 1, token P is sampled from the prefill's last
+logits, and decode query i (i = P .. P + R - 2) feeds token i and samples token i + 1. RoPE
+position of index i in row b is i - (P - len_b), which is what `Decoder`'s default positions
+give the learner for `segment_ids` = 1 on valid tokens. `evicted_at` uses the same array
+indices.
 
 Exactness. Prefill attention uses the whole prompt (`kernels.attention`, as the model does);
 compression happens after it, so dropped prompt keys get evicted_at = P. During decoding, query
-i attends exactly the keys held after `eviction.evict` + `cache.insert`, i.e. the keys j <= i
+i attends exactly the keys held after `eviction.evict` + `kv_cache.write`, i.e. the keys j <= i
 with evicted_at[j] > i: the learner's `model(tokens, visibility=Visibility(segment_ids,
 evicted_at))` replays the same attention. Rows that finished keep running (static shapes);
 their later tokens are pad_id with segment id 0, invisible to the learner.
@@ -27,23 +32,39 @@ analysis can replay it.
 Costs worth knowing: H2O's prefill scores materialise the prompt's [B, K, G, P, P] attention
 probabilities once (the column sums are what H2O accumulates); SnapKV only needs the window's
 [B, K, G, W, P]. Decode attention reads all C slots every step (empty ones masked), so the
-dense cache costs P + N - 1 slots per step from the first step on.
+dense cache costs P + R - 1 slots per step from the first step on.
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
-from trm_jax.kernels.attention import attention
-from trm_jax.kernels.visibility import NEVER_EVICTED, LayerVisibility
+from trm_jax.kernels.visibility import Visibility
+from trm_jax.models.kv_cache import KVCache
 from trm_jax.rollout import cache as kv
 from trm_jax.rollout import eviction, sampling
 from trm_jax.rollout.types import CacheConfig, Rollout, RolloutStats, SamplingConfig
+
+
+@struct.dataclass
+class DecodeState:
+  """The decode loop's carry, and what `run_phase("prefill")` returns. T = P + R."""
+  index: jax.Array               # [] int32 next query i: feeds tokens[:, i], samples i + 1
+  tokens: jax.Array              # [B, T] int32 prompt, sampled tokens, pad_id elsewhere
+  logp: jax.Array                # [B, T] fp32 log-prob of each sampled token, 0 elsewhere
+  entropy: jax.Array             # [B, T] fp32 entropy of each sampled distribution
+  mask: jax.Array                # [B, T] int32 1 on generated tokens up to and including EOS
+  done: jax.Array                # [B] bool the row emitted an EOS
+  caches: Tuple[KVCache, ...]    # L caches: k, v [B, K, C, H]; pos, score [B, K, C];
+                                 #   evicted_at [B, K, T]
+  topk_logp: Optional[jax.Array] = None  # [B, T, k] fp32 (keep_topk_logprobs)
+  topk_ids: Optional[jax.Array] = None   # [B, T, k] int32
+  full_logp: Optional[jax.Array] = None  # [B, T, V] fp32 (keep_full_logprobs)
 
 
 def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax.Array,
@@ -59,7 +80,7 @@ def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax
     model: a `trm_jax.models.Decoder` (a stale copy gives stale-parameter rollouts).
     prompt_ids: [B, P] int32, left-padded (bucket P to avoid recompiles).
     prompt_lengths: [B] int32 valid tokens per row, 1 <= len <= P.
-    max_new_tokens: N; the output has T = P + N columns.
+    max_new_tokens: R; the output has T = P + R columns.
     key: PRNG key (sampling, logit noise, router noise, random eviction).
     temperature, top_p, top_k, greedy: the sampling distribution (see `SamplingConfig`).
     eos_ids: stop tokens (default: the model config's eos_token_id; () = never stop).
@@ -134,14 +155,17 @@ def run_phase(phase: str, graphdef, state, prompt_ids, prompt_lengths, *, key: j
               carry=None, attn_impl: str = "auto"):
   """The two halves of `generate` as separately jitted programs, for profiling (bench).
 
-  phase="prefill" returns the decode loop's initial carry; phase="decode" runs the loop from
-  `carry` (same other arguments) and returns the `Rollout`. `generate` compiles both halves
-  into one program.
+  phase="prefill" returns the decode loop's initial `DecodeState`; phase="decode" runs the
+  loop from that `carry` (same other arguments) and returns the `Rollout`. `generate`
+  compiles both halves into one program.
   """
   if phase not in ("prefill", "decode"):
     raise ValueError(f"phase={phase!r}; expected 'prefill' or 'decode'")
   if (phase == "decode") != (carry is not None):
     raise ValueError("carry is required for phase='decode' and only for it")
+  if carry is not None and not isinstance(carry, DecodeState):
+    raise ValueError(f"carry must be the DecodeState of run_phase('prefill'), got "
+                     f"{type(carry).__name__}")
   return _generate_jit(graphdef, state, jnp.asarray(prompt_ids, jnp.int32),
                        jnp.asarray(prompt_lengths, jnp.int32), key, carry,
                        scfg=sampling_config, ccfg=cache_config, attn_impl=attn_impl,
@@ -155,138 +179,104 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry=None, 
                   phase: str = "all"):
   model = nnx.merge(graphdef, state)
   B, P = prompt_ids.shape
-  N = scfg.max_new_tokens
-  T = P + N
-  L = len(model.layers)
-  K = model.config.num_kv_heads
-  Cp, C = kv.prompt_slots(ccfg, P, N), kv.num_slots(ccfg, P, N)
-  scope = ccfg.resolved_scope
+  R = scfg.max_new_tokens
+  T = P + R
+  Cp, C = kv.prompt_slots(ccfg, P, R), kv.num_slots(ccfg, P, R)
   k_sample, k_noise, k_router, k_evict = stream_keys(key)
 
   start = P - prompt_lengths                                          # [B]
   idx = jnp.arange(P, dtype=jnp.int32)
   valid = idx[None, :] >= start[:, None]                              # [B, P]
-  positions = jnp.maximum(idx[None, :] - start[:, None], 0)           # [B, P]
-  keep, budget = kv.row_budgets(ccfg, prompt_lengths, P, N)           # [B], [B]
+  keep, budget = kv.row_budgets(ccfg, prompt_lengths, P, R)           # [B], [B]
+  policy = eviction.CacheEviction(ccfg, valid=valid, start=start, keep=keep, budget=budget,
+                                  length=T, prompt_slots=Cp, total_slots=C, rand_key=k_evict)
 
-  def mlp(layer, x, step):
+  def router_noise(step):
+    """The MoE router jitter of query `step` (a fresh key per query index)."""
     if scfg.router_noise_scale > 0:
-      return layer.mlp(x, router_noise_key=jax.random.fold_in(k_router, step),
-                       router_noise_scale=scfg.router_noise_scale)
-    return layer.mlp(x)
+      return dict(router_noise_key=jax.random.fold_in(k_router, step),
+                  router_noise_scale=scfg.router_noise_scale)
+    return {}
 
   def next_token(h, step):
-    """h [B, D] hidden state of query `step` -> (tokens, logp, dist) for index step + 1."""
-    logits = model.unembed(model.final_norm(h))                       # [B, V] fp32
+    """h [B, D] final-normed hidden state of query `step` -> (tokens, logp, dist) for index
+    step + 1."""
+    logits = model.unembed(h)                                         # [B, V] fp32
     if scfg.logit_noise > 0:
       logits = logits + scfg.logit_noise * jax.random.normal(
           jax.random.fold_in(k_noise, step), logits.shape, jnp.float32)
     return sampling.sample(jax.random.fold_in(k_sample, step), logits, scfg)
 
   if phase == "decode":
-    carry = tuple(carry)
+    s = carry
   else:
-    # --- (1) prefill: full-prompt attention, then per-layer compression ---------------------
-    evicted_at = jnp.full((B, L, K, T), NEVER_EVICTED, jnp.int32)
-    vis = LayerVisibility(segment_ids=valid.astype(jnp.int32))
-    x = model.embed(prompt_ids)
-    caches = []
-    for l, layer in enumerate(model.layers):
-      q, k, v = layer.attn.qkv(layer.input_norm(x), positions)
-      x = x + layer.attn.out(attention(q, k, v, vis, impl=attn_impl))
-      x = x + mlp(layer, layer.post_attn_norm(x), P - 1)
-      score = eviction.prompt_scores(ccfg, q, k, valid)                 # [B, K, P]
-      kept = eviction.select_prompt(ccfg, valid, score, keep, start=start, budget=budget,
-                                    layer=l, rand_key=k_evict)          # [B, K, P]
-      dropped = valid[:, None, :] & ~kept
-      evicted_at = evicted_at.at[:, l, :, :P].set(
-          jnp.where(dropped, P, evicted_at[:, l, :, :P]))
-      caches.append(kv.from_prompt(k, v, kept, score if ccfg.policy == "h2o" else
-                                   jnp.zeros_like(score), num_prompt_slots=Cp,
-                                   num_total_slots=C))
-    tok, logp, dist = next_token(x[:, -1], P - 1)
-
-    # --- (2) output buffers ----------------------------------------------------------------
-    tokens = jnp.concatenate([prompt_ids, jnp.full((B, N), scfg.pad_id, jnp.int32)], axis=1)
-    tokens = tokens.at[:, P].set(tok)
+    # --- prefill: the blocks over the whole prompt, then each layer's cache from its q/k/v --
+    h, caches = model.prefill(
+        prompt_ids, policy, positions=jnp.maximum(idx[None, :] - start[:, None], 0),
+        visibility=Visibility(segment_ids=valid.astype(jnp.int32)), attn_impl=attn_impl,
+        **router_noise(P - 1))
     zeros = jnp.zeros((B, T), jnp.float32)
-    out = dict(tokens=tokens, logp=zeros.at[:, P].set(logp),
-               entropy=zeros.at[:, P].set(sampling.entropy(dist)),
-               mask=jnp.zeros((B, T), jnp.int32).at[:, P].set(1))
-    if scfg.keep_topk_logprobs:
-      tv, ti = jax.lax.top_k(dist, scfg.keep_topk_logprobs)
-      kk = scfg.keep_topk_logprobs
-      out["topk_logp"] = jnp.zeros((B, T, kk), jnp.float32).at[:, P].set(tv)
-      out["topk_ids"] = jnp.zeros((B, T, kk), jnp.int32).at[:, P].set(ti.astype(jnp.int32))
-    if scfg.keep_full_logprobs:
-      out["full_logp"] = jnp.zeros((B, T, dist.shape[-1]), jnp.float32).at[:, P].set(dist)
-    done = _is_eos(tok, scfg.eos_ids)
-    carry = (jnp.int32(P), out, tuple(caches), evicted_at, done)
+    kk = scfg.keep_topk_logprobs
+    V = model.config.vocab_size
+    s = DecodeState(
+        index=jnp.int32(P),
+        tokens=jnp.concatenate([prompt_ids, jnp.full((B, R), scfg.pad_id, jnp.int32)], axis=1),
+        logp=zeros, entropy=zeros, mask=jnp.zeros((B, T), jnp.int32),
+        done=jnp.zeros((B,), bool), caches=caches,
+        topk_logp=jnp.zeros((B, T, kk), jnp.float32) if kk else None,
+        topk_ids=jnp.zeros((B, T, kk), jnp.int32) if kk else None,
+        full_logp=jnp.zeros((B, T, V), jnp.float32) if scfg.keep_full_logprobs else None)
+    s = _record(s, P, *next_token(h, P - 1), scfg)
     if phase == "prefill":
-      return carry
+      return s
 
-  # --- (3) decode: query i feeds token i and samples token i + 1 ---------------------------
-  def cond(carry):
-    i, _, _, _, done = carry
-    return (i < T - 1) & ~jnp.all(done)
+  # --- decode: query i feeds token i and samples token i + 1 -------------------------------
+  def cond(s: DecodeState):
+    return (s.index < T - 1) & ~jnp.all(s.done)
 
-  def body(carry):
-    i, out, caches, evicted_at, done = carry
-    tok_i = jax.lax.dynamic_slice_in_dim(out["tokens"], i, 1, axis=1)     # [B, 1]
-    pos_i = (i - start)[:, None]                                        # [B, 1]
-    x = model.embed(tok_i)
-    new_caches = []
-    for l, layer in enumerate(model.layers):
-      q, k, v = layer.attn.qkv(layer.input_norm(x), pos_i)   # [B,1,N,H], [B,1,K,H]
-      c = caches[l]
-      if scope == "sequence":
-        c, evicted_at, slot = eviction.evict(ccfg, c, evicted_at, layer=l, step=i,
-                                             start=start, budget=budget, prompt_len=P,
-                                             rand_key=k_evict)
-        c = kv.insert(c, slot, k[:, 0], v[:, 0], i, uniform=False)
-      else:
-        s = i if scope is None else Cp + (i - P)
-        c = kv.insert(c, jnp.full((B, K), s, jnp.int32), k[:, 0], v[:, 0], i, uniform=True)
-      o, p = kv.attend(q[:, 0], c)                                      # p [B, K, G, C]
-      if ccfg.policy == "h2o":
-        c = c.replace(score=c.score + p.sum(axis=2))
-      new_caches.append(c)
-      x = x + layer.attn.out(o[:, None])
-      x = x + mlp(layer, layer.post_attn_norm(x), i)
-    tok, logp, dist = next_token(x[:, 0], i)
-    alive = ~done
-    tok = jnp.where(alive, tok, scfg.pad_id)
-    put = lambda buf, val: jax.lax.dynamic_update_slice_in_dim(
-        buf, val[:, None].astype(buf.dtype), i + 1, axis=1)
-    out = dict(out)
-    out["tokens"] = put(out["tokens"], tok)
-    out["logp"] = put(out["logp"], jnp.where(alive, logp, 0.0))
-    out["entropy"] = put(out["entropy"], jnp.where(alive, sampling.entropy(dist), 0.0))
-    out["mask"] = put(out["mask"], alive.astype(jnp.int32))
-    if scfg.keep_topk_logprobs:
-      tv, ti = jax.lax.top_k(dist, scfg.keep_topk_logprobs)
-      out["topk_logp"] = put(out["topk_logp"], jnp.where(alive[:, None], tv, 0.0))
-      out["topk_ids"] = put(out["topk_ids"], jnp.where(alive[:, None], ti, 0))
-    if scfg.keep_full_logprobs:
-      out["full_logp"] = put(out["full_logp"], jnp.where(alive[:, None], dist, 0.0))
-    done = done | (alive & _is_eos(tok, scfg.eos_ids))
-    return i + 1, out, tuple(new_caches), evicted_at, done
+  def body(s: DecodeState) -> DecodeState:
+    i = s.index
+    h, caches = model.decode_step(
+        jax.lax.dynamic_slice_in_dim(s.tokens, i, 1, axis=1), s.caches, policy,
+        positions=(i - start)[:, None], index=i, **router_noise(i))
+    s = _record(s.replace(caches=caches), i + 1, *next_token(h, i), scfg)
+    return s.replace(index=i + 1)
 
-  i, out, caches, evicted_at, done = jax.lax.while_loop(cond, body, carry)
+  s = jax.lax.while_loop(cond, body, s)
 
-  mask = out["mask"]
   return Rollout(
-      tokens=out["tokens"],
-      segment_ids=jnp.concatenate([valid.astype(jnp.int32), mask[:, P:]], axis=1),
+      tokens=s.tokens,
+      segment_ids=jnp.concatenate([valid.astype(jnp.int32), s.mask[:, P:]], axis=1),
       prompt_lengths=prompt_lengths,
-      response_lengths=jnp.sum(mask, axis=1).astype(jnp.int32),
-      response_mask=mask,
-      logp=out["logp"],
-      evicted_at=evicted_at,
-      stats=RolloutStats(finished=done, decode_steps=i - P, entropy=out["entropy"],
-                         cache_slots=C, cache_bytes=kv.nbytes([(c.k, c.v) for c in caches])),
-      topk_ids=out.get("topk_ids"), topk_logp=out.get("topk_logp"),
-      full_logp=out.get("full_logp"))
+      response_lengths=jnp.sum(s.mask, axis=1).astype(jnp.int32),
+      response_mask=s.mask,
+      logp=s.logp,
+      evicted_at=jnp.stack([c.evicted_at for c in s.caches], axis=1),   # [B, L, K, T]
+      stats=RolloutStats(finished=s.done, decode_steps=s.index - P, entropy=s.entropy,
+                         cache_slots=C, cache_bytes=kv.nbytes([(c.k, c.v) for c in s.caches])),
+      topk_ids=s.topk_ids, topk_logp=s.topk_logp, full_logp=s.full_logp)
+
+
+def _record(s: DecodeState, at, tok: jax.Array, logp: jax.Array, dist: jax.Array,
+            scfg: SamplingConfig) -> DecodeState:
+  """Writes the token sampled for array index `at` (tok, logp [B], dist [B, V]); rows that
+  already finished get pad_id and zeros."""
+  alive = ~s.done
+  tok = jnp.where(alive, tok, scfg.pad_id)
+
+  def put(buf, val):
+    return jax.lax.dynamic_update_slice_in_dim(buf, val[:, None].astype(buf.dtype), at, axis=1)
+  new = dict(tokens=put(s.tokens, tok), logp=put(s.logp, jnp.where(alive, logp, 0.0)),
+             entropy=put(s.entropy, jnp.where(alive, sampling.entropy(dist), 0.0)),
+             mask=put(s.mask, alive.astype(jnp.int32)),
+             done=s.done | (alive & _is_eos(tok, scfg.eos_ids)))
+  if scfg.keep_topk_logprobs:
+    tv, ti = jax.lax.top_k(dist, scfg.keep_topk_logprobs)
+    new.update(topk_logp=put(s.topk_logp, jnp.where(alive[:, None], tv, 0.0)),
+               topk_ids=put(s.topk_ids, jnp.where(alive[:, None], ti, 0)))
+  if scfg.keep_full_logprobs:
+    new["full_logp"] = put(s.full_logp, jnp.where(alive[:, None], dist, 0.0))
+  return s.replace(**new)
 
 
 def _is_eos(tok: jax.Array, eos_ids) -> jax.Array:

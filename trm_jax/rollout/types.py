@@ -4,7 +4,7 @@
 of the jitted sampler, so one compiled program serves every call with the same config and the
 same (bucketed) shapes. `Rollout` is the pytree the learner consumes.
 
-Dimension letters: B batch, P prompt length (bucket), N max new tokens, T = P + N, L layers,
+Dimension letters: B batch, P prompt length (bucket), R max new tokens, T = P + R, L layers,
 K kv heads, V vocab, C cache slots.
 """
 from __future__ import annotations
@@ -146,7 +146,7 @@ class RolloutStats:
 
 @struct.dataclass
 class Rollout:
-  """A batch of sampled sequences, in array indices along T = P + N (prompt left-padded)."""
+  """A batch of sampled sequences, in array indices along T = P + R (prompt left-padded)."""
   tokens: jax.Array            # [B, T] int32: prompt, response, pad_id after EOS
   segment_ids: jax.Array       # [B, T] int32: 1 on real prompt and response tokens, 0 on pads
   prompt_lengths: jax.Array    # [B] int32 valid prompt tokens (right-aligned at [P - len, P))
