@@ -1,4 +1,4 @@
-"""Shadow Mask Distillation through the learner (issue 5 acceptance).
+"""Shadow Mask Distillation through the learner: exactness, TRM on top, gradients, baselines.
 
 One set of compressed-cache rollouts (SnapKV, H2O, recent, random at 50% and 70% compression,
 prompts of mixed lengths, tiny fp32 model, temperature 0.9) drives every test:
@@ -280,7 +280,7 @@ def test_naive_scores_with_dense_visibility(split, rollouts, scorer, dense_forwa
 
 
 def _sparse_rl_numpy(logp_dense, logp_sparse, mask):
-  """Plain-numpy re-derivation of the public Sparse-RL configuration (smd-design.md)."""
+  """Plain-numpy re-derivation of the public Sparse-RL configuration (docs/smd.md)."""
   valid = np.asarray(mask) > 0
   log_rho = np.where(valid, np.asarray(logp_dense) - np.asarray(logp_sparse), 0.0)
   vetoed = np.any(valid & (log_rho < math.log(1e-4)), axis=1)

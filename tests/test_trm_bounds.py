@@ -1,5 +1,5 @@
 """The TRM bound family: Table 1 of the paper, exact enumeration on tabular policies, and the
-structural identities of Section 3 (`../shared/notes/trm-math.md`)."""
+structural identities of Section 3 (formulas with square roots restored: docs/trm.md)."""
 import itertools
 
 import jax
@@ -108,7 +108,8 @@ def tabular_instance(rng, V, T, scale, reward="uniform"):
 
 
 def literal_seed_bounds(T, delta, eps, kl_seq):
-  """The KL-route bounds as the extracted seed prints them, square roots lost. Not bounds."""
+  """The KL-route bounds as plain-text versions of the paper print them, square roots lost.
+  Not bounds."""
   k = np.arange(T, dtype=np.float64)
   return {"pm_kl": 4 * min(1, delta / 2) * np.minimum(1, k * delta / 2).sum(),
           "pm_tv": 4 * min(1, eps) * np.minimum(1, k * delta / 2).sum(),

@@ -6,7 +6,7 @@
   accumulate_gradients   one `lax.scan` over microbatches whose sum equals the big-batch
                          loss and gradient exactly, for every loss aggregation mode.
   apply_if_finite        the optimizer update, or nothing at all when the loss or any
-                         gradient is non-finite (issue 7: skip, keep going, count it).
+                         gradient is non-finite (skip the step, keep going, count it).
 
 Weight decay applies to parameters with ndim >= 2 only (matrices, embeddings); biases and
 norm scales are not decayed, the usual LLM practice (decaying a norm scale towards 0 fights

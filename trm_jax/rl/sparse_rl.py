@@ -1,9 +1,9 @@
 """Sparse-RL baseline: importance weights and rejection for sparse-cache rollouts.
 
-The SMD seed compares against Sparse-RL: rollouts are sampled with a compressed KV cache
+The SMD paper compares against Sparse-RL: rollouts are sampled with a compressed KV cache
 (pi_sparse), the learner scores them with full attention (pi_dense), and the mismatch is
 corrected by reweighting and rejection. The public configuration we reproduce
-(`shared/notes/smd-design.md`, "Baselines"):
+(docs/smd.md, "Learner modes"):
 
   rho_t = pi_dense(y_t | c_t) / pi_sparse(y_t | c_t)     (from log space)
   * sequence veto:    a rollout is dropped if any response token has rho_t < veto (1e-4);
@@ -24,7 +24,7 @@ logp_roll := logp_dense (the dense learner's own log-probs, so the objective's r
 at 1 and the sparse/dense mismatch is carried by these weights alone).
 
 `wasted_frac` counts the rollouts that contribute nothing: vetoed, or every response token
-rejected. The seed reports > 20% for Sparse-RL at 50% compression; SMD's promise is 0.
+rejected. The SMD paper reports > 20% for Sparse-RL at 50% compression; SMD's promise is 0.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ depending on the mode, the SMD distillation KL against a dense teacher and the e
 divergences against the rollout's full distribution. Each of these needs [B, T, V] logits; at
 V = 150k and T = 4k a single such array is gigabytes. So the vocabulary projection happens here,
 C positions at a time, under `jax.checkpoint`: forward and backward keep only [B, C, V]
-temporaries, and two full [B, T, V] logit arrays are never alive together (issue 5, item 2).
+temporaries, and two full [B, T, V] logit arrays are never alive together.
 
 Alignment: hidden state t predicts token t+1. Every output is indexed by the *target* token, so
 `logp[b, t] = log pi(tokens[b, t] | tokens[b, <t])`, matching the rollout's `logp` and

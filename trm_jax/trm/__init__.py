@@ -7,8 +7,8 @@
   monitors    rejection rates (overall / per criterion / by length), PPL gap, empirical B*,
               r + D_TV^seq
 
-The seed text of the paper lost its square roots; `../shared/notes/trm-math.md` restores them
-and this package follows the note.
+Plain-text versions of the paper lose the square roots of its KL-route bounds; this package
+uses the restored formulas, which docs/trm.md derives and checks against the paper's Table 1.
 """
 from trm_jax.trm.bounds import BOUND_NAMES, compute_bounds, pinsker_fill
 from trm_jax.trm.divergence import (BatchEstimates, batch_estimates, k3, sample_estimators,

@@ -1,8 +1,8 @@
 """The TRM bound family on |Error| = |J(theta) - J(roll) - L'(theta)| for rewards in [0, 1].
 
-Every bound of Section 3 of the TRM paper, with the square roots the extracted seed text lost
-restored (`../shared/notes/trm-math.md`); with them the functions below reproduce all sixteen
-numbers of Table 1 (tests/test_trm_bounds.py).
+Every bound of Section 3 of the TRM paper, with the square roots that plain-text versions of the
+paper lose restored (docs/trm.md, "The bounds"); with them the functions below reproduce all
+sixteen numbers of Table 1 (tests/test_trm_bounds.py).
 
   name         formula (sums over t = 1..T)                                       needs
   classical    2 T (T-1) eps^2                                                    eps

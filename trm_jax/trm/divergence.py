@@ -1,7 +1,7 @@
 """Per-token divergences between pi_roll and pi_theta, their per-sequence reductions and the
 batch estimates that feed the bounds (`bounds.compute_bounds`).
 
-Direction and sign conventions (TRM paper Sec. 2.3, `../shared/notes/trm-math.md`):
+Direction and sign conventions (TRM paper Sec. 2.3; docs/trm.md, "Notation"):
   * KL(c_t) = KL(pi_roll(.|c_t) || pi_theta(.|c_t)) = sum_v p_roll (log p_roll - log p_theta);
   * TV(c_t) = 1/2 sum_v |p_theta - p_roll|;
   * log rho_t = logp_theta(y_t) - logp_roll(y_t) for the sampled token y_t;

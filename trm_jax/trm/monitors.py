@@ -1,7 +1,7 @@
 """TRM monitors: rejection rates (overall, per criterion, by response length), the PPL gap, the
 batch's empirical bound B* and the precondition-free term r + D_TV^seq.
 
-Why these (TRM paper Sec. 4.4-4.5 and App. F-G, `../shared/notes/trm-math.md`):
+Why these (TRM paper Sec. 4.4-4.5 and App. F-G; docs/trm.md, "Monitors"):
   * the rejection rate r enters the precondition-free guarantee linearly,
     J(theta) - J(roll) >= L'_masked - B_A - (r + D_TV^seq), so it must be watched;
   * TRM-max rejects a sequence with P = 1 - (1 - p)^T: bucketing r by response length makes
