@@ -172,3 +172,31 @@ def test_bad_inputs_name_the_culprit():
   with pytest.raises(ValueError, match="segment_ids"):
     flash_attention(q, k, k, LayerVisibility(segment_ids=jnp.zeros((1, 31), jnp.int32)),
                     interpret=True)
+
+
+def test_triton_kernel_lowers_for_cuda_without_a_gpu():
+  """Forward and backward go through the Pallas -> Triton lowering for platform "cuda" on a
+  CPU-only machine, so a Triton lowering error fails CI here rather than on a GPU. jax.export
+  refuses Triton custom calls by default (Triton IR has no stability guarantee);
+  DisabledSafetyCheck.custom_call names the target to allow it."""
+  from jax import export
+  B, T, N, K, H = 1, 128, 4, 2, 64
+  bf16 = jnp.bfloat16
+
+  def fwd_bwd(q, k, v, seg, ev, do):
+    f = lambda q, k, v: flash_attention(q, k, v, LayerVisibility(seg, ev))
+    out, pull = jax.vjp(f, q, k, v)
+    return out, *pull(do)
+
+  args = [jax.ShapeDtypeStruct(s, d) for s, d in (
+      ((B, T, N, H), bf16), ((B, T, K, H), bf16), ((B, T, K, H), bf16),
+      ((B, T), jnp.int32), ((B, K, T), jnp.int32), ((B, T, N, H), bf16))]
+  with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
+    export.export(jax.jit(fwd_bwd), platforms=("cuda",))(*args)
+  allow = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  exported = export.export(jax.jit(fwd_bwd), platforms=("cuda",), disabled_checks=[allow])(*args)
+  mlir = exported.mlir_module()
+  assert exported.platforms == ("cuda",)
+  assert mlir.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 3
+  for name in ("vis_flash_fwd", "vis_flash_bwd_dkdv", "vis_flash_bwd_dq"):
+    assert f'name = "{name}"' in mlir, name

@@ -147,8 +147,8 @@ def _seg_ranges(seg, block):
   return lo, hi, valid
 
 
-def _tables(seg, ev, K: int, bq: int, bk: int, outer: str) -> _Tables:
-  """Tables for a kernel whose outer grid axis runs over `outer` ("q" or "k") blocks."""
+def _block_summaries(seg, ev, K: int, bq: int, bk: int):
+  """Per-block summaries and the [B, K, nq, nk] bool `live` they imply (XLA, tiny)."""
   B, T = seg.shape
   nq, nk = T // bq, T // bk
   q_lo, q_hi, _ = _seg_ranges(seg, bq)                          # [B, nq]
@@ -164,6 +164,12 @@ def _tables(seg, ev, K: int, bq: int, bk: int, outer: str) -> _Tables:
   live = _block_live(i, j, q_lo[:, None, :, None], q_hi[:, None, :, None],
                      k_lo[:, None, None, :], k_hi[:, None, None, :], k_ev[:, :, None, :],
                      bq, bk)                                      # [B, K, nq, nk]
+  return (q_lo, q_hi, k_lo, k_hi, k_ev), live
+
+
+def _tables(seg, ev, K: int, bq: int, bk: int, outer: str) -> _Tables:
+  """Tables for a kernel whose outer grid axis runs over `outer` ("q" or "k") blocks."""
+  (q_lo, q_hi, k_lo, k_hi, k_ev), live = _block_summaries(seg, ev, K, bq, bk)
   if outer == "k":
     live = jnp.swapaxes(live, -1, -2)                            # [B, K, nk, nq]
   n_in = live.shape[-1]
@@ -515,6 +521,23 @@ def _check_inputs(q, k, v, vis: LayerVisibility):
                      f"{(B, K, T)} (pass LayerVisibility, i.e. Visibility.layer(l))")
 
 
+def _padded_length(T: int, blocks: TPUBlockSizes) -> int:
+  return _round_up(T, max(blocks.block_q, blocks.block_k, blocks.block_q_bwd,
+                          blocks.block_k_bwd))
+
+
+def _side_inputs(vis: LayerVisibility, B: int, T: int, T_pad: int):
+  """(seg [B, T_pad] int32, ev [B, K, T_pad] int32 | None). Padding (segment 0 or the
+  T_pad - T tail) is invisible to and from everything."""
+  seg = (jnp.ones((B, T), jnp.int32) if vis.segment_ids is None
+         else vis.segment_ids.astype(jnp.int32))
+  seg = jnp.pad(seg, ((0, 0), (0, T_pad - T)))
+  ev = vis.evicted_at
+  if ev is not None:
+    ev = jnp.pad(ev.astype(jnp.int32), ((0, 0), (0, 0), (0, T_pad - T)))
+  return seg, ev
+
+
 def flash_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
                         vis: Optional[LayerVisibility] = None, *,
                         scale: Optional[float] = None,
@@ -537,20 +560,13 @@ def flash_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
   B, T, N, H = q.shape
   K = k.shape[2]
   blocks = block_sizes.clamped(T)
-  T_pad = _round_up(T, max(blocks.block_q, blocks.block_k, blocks.block_q_bwd,
-                           blocks.block_k_bwd))
+  T_pad = _padded_length(T, blocks)
   Hp = _round_up(H, LANES)
   st = _Static(scale=H ** -0.5 if scale is None else float(scale), groups=N // K,
                head_dim=Hp, blocks=blocks, interpret=interpret)
   pad4 = ((0, 0), (0, T_pad - T), (0, 0), (0, Hp - H))
   q, k, v = (jnp.pad(x, pad4).reshape(B, T_pad, -1) for x in (q, k, v))
-  # Padding positions (and T_pad - T tail) get segment 0: invisible to and from everything.
-  seg = (jnp.ones((B, T), jnp.int32) if vis.segment_ids is None
-         else vis.segment_ids.astype(jnp.int32))
-  seg = jnp.pad(seg, ((0, 0), (0, T_pad - T)))
-  ev = vis.evicted_at
-  if ev is not None:
-    ev = jnp.pad(ev.astype(jnp.int32), ((0, 0), (0, 0), (0, T_pad - T)))
+  seg, ev = _side_inputs(vis, B, T, T_pad)
   o = _flash(q, k, v, seg, ev, st)
   return o.reshape(B, T_pad, N, Hp)[:, :T, :, :H]
 
