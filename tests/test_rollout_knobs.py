@@ -11,7 +11,7 @@ from trm_jax.models import make_test_model
 from trm_jax.rollout import CacheConfig, SamplingConfig, generate, run_phase, token_logprobs
 from trm_jax.rollout.sampler import stream_keys
 
-P, N = 8, 6
+P, R = 8, 6
 LENS = np.array([8, 3], np.int32)
 KEY = jax.random.key(11)
 
@@ -30,24 +30,24 @@ def model():
 
 def test_noisy_truncated_sampling_is_replayed_exactly(model):
   kw = dict(temperature=0.8, top_k=40, top_p=0.9, logit_noise=0.5)
-  r = generate(model, _prompts(), LENS, max_new_tokens=N, key=KEY, eos_ids=(),
+  r = generate(model, _prompts(), LENS, max_new_tokens=R, key=KEY, eos_ids=(),
                keep_topk_logprobs=3, keep_full_logprobs=True,
                cache=CacheConfig(policy="h2o", ratio=0.5), **kw)
-  scfg = SamplingConfig(max_new_tokens=N, **kw)
+  scfg = SamplingConfig(max_new_tokens=R, **kw)
   logits = model(r.tokens, visibility=Visibility(segment_ids=r.segment_ids,
                                                  evicted_at=r.evicted_at))
   # The sampler drew token i + 1 from logits[i] + noise(i) (noise keyed by query index i).
   k_noise = stream_keys(KEY)[1]
-  idx = np.arange(P - 1, P + N - 1)
+  idx = np.arange(P - 1, P + R - 1)
   noise = jnp.stack([jax.random.normal(jax.random.fold_in(k_noise, i), (2, 128)) for i in idx],
-                    axis=1)                                               # [B, N, V]
+                    axis=1)                                               # [B, R, V]
   noisy = logits[:, idx] + 0.5 * noise
   want = token_logprobs(noisy, r.tokens[:, idx + 1], scfg)
   np.testing.assert_allclose(r.logp[:, P:], want, atol=1e-5, rtol=0)
   without = token_logprobs(logits[:, idx], r.tokens[:, idx + 1], scfg)
   assert float(jnp.abs(without - want).max()) > 1e-2                    # the noise mattered
 
-  full = np.asarray(r.full_logp[:, P:])                                   # [B, N, V]
+  full = np.asarray(r.full_logp[:, P:])                                   # [B, R, V]
   np.testing.assert_allclose(jax.nn.logsumexp(full, axis=-1), 0.0, atol=1e-5)
   assert np.isneginf(full).any()                                          # truncation shows
   got = np.take_along_axis(full, np.asarray(r.tokens[:, P:, None]), axis=-1)[..., 0]
@@ -62,14 +62,14 @@ def test_noisy_truncated_sampling_is_replayed_exactly(model):
 
 
 def test_bf16_sampler_of_fp32_model_differs_slightly(model):
-  r32 = generate(model, _prompts(), LENS, max_new_tokens=N, key=KEY, greedy=True, eos_ids=())
-  r16 = generate(model, _prompts(), LENS, max_new_tokens=N, key=KEY, greedy=True, eos_ids=(),
+  r32 = generate(model, _prompts(), LENS, max_new_tokens=R, key=KEY, greedy=True, eos_ids=())
+  r16 = generate(model, _prompts(), LENS, max_new_tokens=R, key=KEY, greedy=True, eos_ids=(),
                  compute_dtype=jnp.bfloat16)
   assert r16.stats.cache_bytes * 2 == r32.stats.cache_bytes
   # Score the bf16 rollout with the fp32 learner: a real but small mismatch.
   logits = model(r16.tokens, visibility=Visibility(segment_ids=r16.segment_ids))
   tf = token_logprobs(logits[:, P - 1:-1], r16.tokens[:, P:],
-                      SamplingConfig(max_new_tokens=N, greedy=True))
+                      SamplingConfig(max_new_tokens=R, greedy=True))
   gap = float(jnp.abs(tf - r16.logp[:, P:]).max())
   assert 1e-4 < gap < 0.5
   assert model.config.dtype == "float32"                       # the model itself is untouched
@@ -78,7 +78,7 @@ def test_bf16_sampler_of_fp32_model_differs_slightly(model):
 def test_router_jitter_changes_moe_rollouts():
   moe = make_test_model(seed=2, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=32)
-  kw = dict(max_new_tokens=N, key=KEY, temperature=1.0, eos_ids=())
+  kw = dict(max_new_tokens=R, key=KEY, temperature=1.0, eos_ids=())
   a = generate(moe, _prompts(), LENS, router_noise_scale=0.0, **kw)
   b = generate(moe, _prompts(), LENS, router_noise_scale=1.0, **kw)
   assert np.isfinite(np.asarray(b.logp)).all()
@@ -87,13 +87,13 @@ def test_router_jitter_changes_moe_rollouts():
 
 def test_run_phase_halves_compose_to_generate(model):
   """The bench times `run_phase("decode")`; it must be the same computation as `generate`."""
-  scfg = SamplingConfig(max_new_tokens=N, temperature=0.8, eos_ids=())
+  scfg = SamplingConfig(max_new_tokens=R, temperature=0.8, eos_ids=())
   cc = CacheConfig(policy="snapkv", ratio=0.5, window=2)
   graphdef, state = nnx.split(model)
   kw = dict(key=KEY, sampling_config=scfg, cache_config=cc)
   carry = run_phase("prefill", graphdef, state, _prompts(), LENS, **kw)
   r = run_phase("decode", graphdef, state, _prompts(), LENS, carry=carry, **kw)
-  g = generate(model, _prompts(), LENS, max_new_tokens=N, key=KEY, temperature=0.8,
+  g = generate(model, _prompts(), LENS, max_new_tokens=R, key=KEY, temperature=0.8,
                eos_ids=(), cache=cc)
   np.testing.assert_array_equal(r.tokens, g.tokens)
   np.testing.assert_array_equal(r.evicted_at, g.evicted_at)

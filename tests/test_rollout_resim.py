@@ -28,7 +28,7 @@ from trm_jax.rollout import CacheConfig, SamplingConfig, generate, token_logprob
 from trm_jax.rollout import eviction
 from trm_jax.rollout.sampler import stream_keys
 
-P, N = 16, 12
+P, R = 16, 12
 LENS = np.array([16, 9, 5, 12], np.int32)
 TEMPERATURE = 0.9
 KEY = jax.random.key(7)
@@ -97,7 +97,7 @@ def resimulate(cc, probs, lens, decode_steps, rand):
   B, L, K, _, T, _ = probs.shape
   ev = np.full((B, L, K, T), NEVER_EVICTED, np.int64)
   scope = cc.resolved_scope
-  C = min(_keep(P + N, cc), P + N - 1)
+  C = min(_keep(P + R, cc), P + R - 1)
   w = min(cc.window, P)
   for b, l, h in np.ndindex(B, L, K):
     n = int(lens[b])
@@ -106,7 +106,7 @@ def resimulate(cc, probs, lens, decode_steps, rand):
     if scope == "prompt":
       keep, budget = min(_keep(n, cc), n), None
     else:
-      budget = min(_keep(n + N, cc), C)
+      budget = min(_keep(n + R, cc), C)
       keep = min(n, budget)
     pooled = None
     if cc.policy == "snapkv":
@@ -145,13 +145,13 @@ CASES.append(("recent_prompt", 0.5))   # a decode-time policy used as prompt-onl
 @pytest.mark.parametrize("name,ratio", CASES)
 def test_logp_exact_and_evicted_at_resimulated(model, prompts, forward_probs, name, ratio):
   cc = CacheConfig(ratio=ratio, **POLICIES[name])
-  r = generate(model, prompts, LENS, max_new_tokens=N, key=KEY, temperature=TEMPERATURE,
+  r = generate(model, prompts, LENS, max_new_tokens=R, key=KEY, temperature=TEMPERATURE,
                eos_ids=(), cache=cc)
   logits, probs = forward_probs(r.tokens, r.segment_ids, r.evicted_at)
-  scfg = SamplingConfig(max_new_tokens=N, temperature=TEMPERATURE)
+  scfg = SamplingConfig(max_new_tokens=R, temperature=TEMPERATURE)
   tf = np.asarray(token_logprobs(logits[:, :-1], r.tokens[:, 1:], scfg))
   mask = np.asarray(r.response_mask[:, 1:]) == 1
-  assert mask.sum() == len(LENS) * N
+  assert mask.sum() == len(LENS) * R
   np.testing.assert_allclose(np.asarray(r.logp)[:, 1:][mask], tf[mask], atol=1e-5, rtol=0)
 
   # Something was actually evicted, and it changed the distribution: the dense forward
@@ -171,5 +171,5 @@ def test_logp_exact_and_evicted_at_resimulated(model, prompts, forward_probs, na
   assert diff.size == 0, (f"first mismatch at [b, l, k, j] = {diff[0].tolist()}: sampler "
                           f"{ev[tuple(diff[0])]}, re-simulation {expected[tuple(diff[0])]}")
 
-  # Memory is set by the budget: fewer slots than the dense cache's P + N - 1.
-  assert r.stats.cache_slots < P + N - 1
+  # Memory is set by the budget: fewer slots than the dense cache's P + R - 1.
+  assert r.stats.cache_slots < P + R - 1
