@@ -117,7 +117,7 @@ class Attention(nnx.Module):
   `qkv` and `out` are public so tests and analyses can rebuild the attention step by step.
   """
 
-  def __init__(self, cfg: ModelConfig, layer_idx: int = 0, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
     D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     pd = cfg.weight_dtype
     self.cfg = cfg
