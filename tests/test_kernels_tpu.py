@@ -33,8 +33,8 @@ from trm_jax.kernels.attention import attention, resolve_impl
 from trm_jax.kernels.attention_ref import attention_reference
 from trm_jax.kernels.flash_attention import BlockSizes
 from trm_jax.kernels.flash_attention_tpu import (TPUBlockSizes, _block_summaries,
-                                                 _padded_length, _side_inputs, _tables,
-                                                 flash_attention_tpu)
+                                                 _padded_length, _plan, _side_inputs,
+                                                 _tables, flash_attention_tpu)
 from trm_jax.kernels.tpu_aot import compile_for_tpu, libtpu_available
 from trm_jax.kernels.visibility import (NEVER_EVICTED, LayerVisibility, Visibility,
                                         visible_mask)
@@ -127,8 +127,9 @@ CASES = [
     Case(T=200, N=2, K=2, H=64, blocks=B128, pad="right", evict="mixed"),        # G=1, T%128
     Case(T=256, N=4, K=2, H=128, blocks=TPUBlockSizes(256, 128, 128, 256), pad="left",
          evict="blind"),                                                       # G=2
-    Case(T=300, N=4, K=1, H=64, blocks=TPUBlockSizes(128, 256, 256, 128), pad="packed",
-         evict="window", B=1),                                                 # G=4, T_pad 512
+    # G=4 under a 2 MiB VMEM budget: 2 query heads per grid step (head chunks), T_pad 512
+    Case(T=300, N=4, K=1, H=64, blocks=TPUBlockSizes(128, 256, 128, 256, vmem_limit_bytes=2**21),
+         pad="packed", evict="window", B=1),
 ]
 
 
@@ -214,6 +215,22 @@ def test_block_tables_are_conservative_and_skip():
     hi = np.asarray(tabs.f_hi).reshape(live.shape[:3])
     j = np.arange(T // bk)
     assert np.all(~live | ((lo[..., None] <= j) & (j <= hi[..., None])))
+
+
+def test_blocks_fit_the_vmem_budget():
+  """Rows per step (heads x block_q) are capped by what compiled for v5e's 16 MiB scoped
+  VMEM: short blocks first, then the group is split into head chunks."""
+  def plan(G, dtype=jnp.bfloat16, T=32768, blocks=TPUBlockSizes()):
+    b, hf, hb = _plan(blocks, T, G, jnp.dtype(dtype).itemsize)
+    return (b.block_q, hf), (b.block_q_bwd, hb)
+  assert plan(4) == ((512, 4), (256, 4))                    # Qwen3-8B: the defaults
+  assert plan(8) == ((256, 8), (256, 8))
+  assert plan(16) == ((128, 16), (256, 16))
+  assert plan(32) == ((128, 16), (128, 32))                 # forward: two chunks of 16 heads
+  assert plan(16, jnp.float32) == ((128, 16), (128, 16))
+  assert plan(4, T=200) == ((256, 4), (256, 4))             # clamped to T first
+  small = TPUBlockSizes(128, 256, 128, 256, vmem_limit_bytes=2**21)
+  assert plan(4, jnp.float32, T=300, blocks=small) == ((128, 2), (128, 2))
 
 
 def test_dispatch_and_validation():

@@ -98,14 +98,45 @@ class TPUBlockSizes:
                                         ("block_q", "block_k", "block_q_bwd", "block_k_bwd")})
 
 
+# Query rows (heads per step x block_q) one grid step may hold within the 16 MiB default
+# scoped VMEM of v5e/v5p. Found by AOT-compiling for v5e over G in {2, 4, 8, 16}, blocks
+# 128..512, bf16 and fp32 (bench/tpu_kernel_aot.py's topologies): the forward fits 2048 rows
+# in either dtype (4096 overflows); the dq kernel, which holds q, dO, O and dq tiles, fits
+# 4096 rows in bf16 and 2048 in fp32. Scaled by vmem_limit_bytes / 16 MiB when that is set.
+_DEFAULT_SCOPED_VMEM = 16 * 2**20
+_FWD_ROWS = 2048
+_BWD_ROW_BYTES = 8192      # rows = _BWD_ROW_BYTES // itemsize
+
+
+def _fit_rows(block_q: int, groups: int, rows: int):
+  """(block_q, heads per step): shrink the block to 128 first, then split the group."""
+  while groups * block_q > rows and block_q > LANES:
+    block_q //= 2
+  heads = max((d for d in range(1, groups + 1) if groups % d == 0 and d * block_q <= rows),
+              default=1)
+  return block_q, heads
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
   """Non-differentiable, hashable configuration of one call."""
   scale: float
   groups: int              # G = N // K
   head_dim: int            # Hp (padded, multiple of 128)
-  blocks: TPUBlockSizes
+  blocks: TPUBlockSizes    # after clamping to T and fitting VMEM
+  heads_fwd: int           # query heads per grid step (a divisor of G), forward
+  heads_bwd: int           # the same for the backward kernels
   interpret: bool
+
+
+def _plan(blocks: TPUBlockSizes, T: int, groups: int, itemsize: int):
+  """Blocks clamped to T and fitted to VMEM, and the heads per step of each pass."""
+  blocks = blocks.clamped(T)
+  scale = (blocks.vmem_limit_bytes or _DEFAULT_SCOPED_VMEM) / _DEFAULT_SCOPED_VMEM
+  bq, heads_fwd = _fit_rows(blocks.block_q, groups, int(_FWD_ROWS * scale))
+  bq_bwd, heads_bwd = _fit_rows(blocks.block_q_bwd, groups,
+                                int(_BWD_ROW_BYTES // itemsize * scale))
+  return dataclasses.replace(blocks, block_q=bq, block_q_bwd=bq_bwd), heads_fwd, heads_bwd
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,6 +234,13 @@ class _Smem:
 # --------------------------------------------------------------------------------------------
 
 
+def _div(a, n: int):
+  """a // n for non-negative int32 scalars. lax.div truncates; `//` floors, which Mosaic
+  lowers through `sign`, whose rule asks the local TPU its generation: a host without one
+  (AOT compiles) cannot lower it."""
+  return lax.div(a, jnp.int32(n))
+
+
 def _lanes(x, n: int):
   """[rows, 128] lane-replicated -> [rows, n] (n a multiple of 128)."""
   return x if n == LANES else jnp.tile(x, (1, n // LANES))
@@ -241,8 +279,8 @@ def _dot(a, b):
                          preferred_element_type=jnp.float32)
 
 
-def _params(st: _Static, n_parallel: int):
-  sem = ("parallel",) * n_parallel + ("arbitrary",)
+def _params(st: _Static, n_parallel: int, n_arbitrary: int = 1):
+  sem = ("parallel",) * n_parallel + ("arbitrary",) * n_arbitrary
   return pltpu.CompilerParams(dimension_semantics=sem,
                               vmem_limit_bytes=st.blocks.vmem_limit_bytes)
 
@@ -252,7 +290,7 @@ def _interpret(st: _Static):
 
 
 # --------------------------------------------------------------------------------------------
-# Forward: grid (B, K, nq, nk).
+# Forward: grid (B, K * C, nq, nk); axis 1 is (kv head, chunk of Gs = G / C query heads).
 # --------------------------------------------------------------------------------------------
 
 
@@ -261,8 +299,10 @@ def _fwd_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
   q_ref, k_ref, v_ref, segq_ref, segk_ref = refs[:5]
   ev_ref = refs[5] if has_ev else None
   o_ref, lse_ref, m_scr, l_scr, acc_scr = refs[6 if has_ev else 5:]
-  bq, bk, G, Hp = st.blocks.block_q, st.blocks.block_k, st.groups, st.head_dim
-  b, kh, i, j = (pl.program_id(a) for a in range(4))
+  bq, bk, Hp = st.blocks.block_q, st.blocks.block_k, st.head_dim
+  Gs = st.heads_fwd
+  b, hc, i, j = (pl.program_id(a) for a in range(4))
+  kh = _div(hc, st.groups // Gs)
   smem = _Smem(tabs, K=K, nq=nq, nk=nk, n_outer=nq)
 
   @pl.when(j == 0)
@@ -277,7 +317,7 @@ def _fwd_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
                       None if ev_ref is None else ev_ref[...], transposed=False)
     k = k_ref[...]                                                    # [bk, Hp]
     v = v_ref[...]
-    for g in range(G):                                                # the group's heads
+    for g in range(Gs):                                               # this step's heads
       hs = slice(g * Hp, (g + 1) * Hp)
       s = jnp.where(vis, _dot_nt(q_ref[:, hs], k) * st.scale, _MASK_VALUE)   # [bq, bk]
       m_prev = m_scr[g]                                               # [bq, 128]
@@ -291,7 +331,7 @@ def _fwd_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
 
   @pl.when(j == nk - 1)
   def _finish():
-    for g in range(G):
+    for g in range(Gs):
       hs = slice(g * Hp, (g + 1) * Hp)
       l = l_scr[g]
       seen = l > 0.0                                                  # False: row saw no key
@@ -305,22 +345,25 @@ def _forward(q, k, v, seg, ev, st: _Static):
   """Padded q [B, T, N*Hp], k/v [B, T, K*Hp], seg [B, T], ev [B, K, T] | None
   -> (o [B, T, N*Hp], lse [B, N, 1, T] f32)."""
   B, T, _ = q.shape
-  G, Hp = st.groups, st.head_dim
+  G, Hp, Gs = st.groups, st.head_dim, st.heads_fwd
+  C = G // Gs
   K = k.shape[-1] // Hp
   N = K * G
   bq, bk = st.blocks.block_q, st.blocks.block_k
   nq, nk = T // bq, T // bk
   tabs = _tables(seg, ev, K, bq, bk, outer="q")
   smem = lambda refs: _Smem(refs, K=K, nq=nq, nk=nk, n_outer=nq)
-  jf = lambda b, kh, i, j, refs: smem(refs).fetch(b, kh, i, j)
+  jf = lambda b, hc, i, j, refs: smem(refs).fetch(b, _div(hc, C), i, j)
 
-  q_spec = pl.BlockSpec((None, bq, G * Hp), lambda b, kh, i, j, *r: (b, i, kh))
-  kv_spec = pl.BlockSpec((None, bk, Hp), lambda b, kh, i, j, *r: (b, jf(b, kh, i, j, r), kh))
-  segq_spec = pl.BlockSpec((None, 1, bq), lambda b, kh, i, j, *r: (b, 0, i))
-  segk_spec = pl.BlockSpec((None, 1, bk), lambda b, kh, i, j, *r: (b, 0, jf(b, kh, i, j, r)))
+  # q/o column block hc holds query heads hc*Gs .. hc*Gs + Gs - 1, all of kv head _div(hc, C).
+  q_spec = pl.BlockSpec((None, bq, Gs * Hp), lambda b, hc, i, j, *r: (b, i, hc))
+  kv_spec = pl.BlockSpec((None, bk, Hp),
+                         lambda b, hc, i, j, *r: (b, jf(b, hc, i, j, r), _div(hc, C)))
+  segq_spec = pl.BlockSpec((None, 1, bq), lambda b, hc, i, j, *r: (b, 0, i))
+  segk_spec = pl.BlockSpec((None, 1, bk), lambda b, hc, i, j, *r: (b, 0, jf(b, hc, i, j, r)))
   ev_spec = pl.BlockSpec((None, None, 1, bk),
-                         lambda b, kh, i, j, *r: (b, kh, 0, jf(b, kh, i, j, r)))
-  lse_spec = pl.BlockSpec((None, G, 1, bq), lambda b, kh, i, j, *r: (b, kh, 0, i))
+                         lambda b, hc, i, j, *r: (b, _div(hc, C), 0, jf(b, hc, i, j, r)))
+  lse_spec = pl.BlockSpec((None, Gs, 1, bq), lambda b, hc, i, j, *r: (b, hc, 0, i))
   seg3 = seg[:, None, :]
   in_specs = [q_spec, kv_spec, kv_spec, segq_spec, segk_spec]
   args = [q, k, v, seg3, seg3]
@@ -328,11 +371,11 @@ def _forward(q, k, v, seg, ev, st: _Static):
     in_specs.append(ev_spec)
     args.append(ev[:, :, None, :])
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=7, grid=(B, K, nq, nk), in_specs=in_specs,
+      num_scalar_prefetch=7, grid=(B, K * C, nq, nk), in_specs=in_specs,
       out_specs=[q_spec, lse_spec],
-      scratch_shapes=[pltpu.VMEM((G, bq, LANES), jnp.float32),     # running max
-                      pltpu.VMEM((G, bq, LANES), jnp.float32),     # running sum
-                      pltpu.VMEM((bq, G * Hp), jnp.float32)])      # output accumulator
+      scratch_shapes=[pltpu.VMEM((Gs, bq, LANES), jnp.float32),    # running max
+                      pltpu.VMEM((Gs, bq, LANES), jnp.float32),    # running sum
+                      pltpu.VMEM((bq, Gs * Hp), jnp.float32)])     # output accumulator
   kernel = functools.partial(_fwd_kernel, st=st, K=K, nq=nq, nk=nk, has_ev=ev is not None)
   return pl.pallas_call(
       kernel, grid_spec=grid_spec,
@@ -349,16 +392,18 @@ def _forward(q, k, v, seg, ev, st: _Static):
 
 
 def _dkdv_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
-  """Grid (B, K, nk, nq): key block j of kv head kh against the group's query blocks i."""
+  """Grid (B, K, nk, C, nq): key block j of kv head kh against query blocks i of head chunk
+  c; dk and dv accumulate over (c, i), i.e. over every query head of the group."""
   tabs, refs = refs[:7], refs[7:]
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, segq_ref, segk_ref = refs[:8]
   ev_ref = refs[8] if has_ev else None
   dk_ref, dv_ref, dk_scr, dv_scr = refs[9 if has_ev else 8:]
-  bq, bk, G, Hp = st.blocks.block_q_bwd, st.blocks.block_k_bwd, st.groups, st.head_dim
-  b, kh, j, i = (pl.program_id(a) for a in range(4))
+  bq, bk, Hp = st.blocks.block_q_bwd, st.blocks.block_k_bwd, st.head_dim
+  Gs = st.heads_bwd
+  b, kh, j, c, i = (pl.program_id(a) for a in range(5))
   smem = _Smem(tabs, K=K, nq=nq, nk=nk, n_outer=nk)
 
-  @pl.when(i == 0)
+  @pl.when((c == 0) & (i == 0))
   def _init():
     dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
     dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
@@ -370,7 +415,7 @@ def _dkdv_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
                       None if ev_ref is None else _column(ev_ref), transposed=True)
     k = k_ref[...]                                                    # [bk, Hp]
     v = v_ref[...]
-    for g in range(G):
+    for g in range(Gs):
       hs = slice(g * Hp, (g + 1) * Hp)
       q = q_ref[:, hs]                                                # [bq, Hp]
       do = do_ref[:, hs]
@@ -381,7 +426,7 @@ def _dkdv_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
       ds_t = p_t * (dp_t - delta_ref[g])
       dk_scr[...] += _dot(ds_t.astype(q.dtype), q)
 
-  @pl.when(i == nq - 1)
+  @pl.when((c == st.groups // Gs - 1) & (i == nq - 1))
   def _finish():
     dk_ref[...] = (dk_scr[...] * st.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
@@ -398,14 +443,16 @@ def _dq_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
   q_ref, k_ref, v_ref, do_ref, o_ref, lse_ref, segq_ref, segk_ref = refs[:8]
   ev_ref = refs[8] if has_ev else None
   dq_ref, delta_ref, dq_scr, delta_scr = refs[9 if has_ev else 8:]
-  bq, bk, G, Hp = st.blocks.block_q_bwd, st.blocks.block_k_bwd, st.groups, st.head_dim
-  b, kh, i, j = (pl.program_id(a) for a in range(4))
+  bq, bk, Hp = st.blocks.block_q_bwd, st.blocks.block_k_bwd, st.head_dim
+  Gs = st.heads_bwd
+  b, hc, i, j = (pl.program_id(a) for a in range(4))
+  kh = _div(hc, st.groups // Gs)
   smem = _Smem(tabs, K=K, nq=nq, nk=nk, n_outer=nq)
 
   @pl.when(j == 0)
   def _init():
     dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
-    for g in range(G):
+    for g in range(Gs):
       hs = slice(g * Hp, (g + 1) * Hp)
       prod = do_ref[:, hs].astype(jnp.float32) * o_ref[:, hs].astype(jnp.float32)
       delta_scr[g] = jnp.broadcast_to(jnp.sum(prod, axis=1, keepdims=True), (bq, LANES))
@@ -416,7 +463,7 @@ def _dq_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
                       None if ev_ref is None else ev_ref[...], transposed=False)
     k = k_ref[...]
     v = v_ref[...]
-    for g in range(G):
+    for g in range(Gs):
       hs = slice(g * Hp, (g + 1) * Hp)
       s = _dot_nt(q_ref[:, hs], k) * st.scale                        # [bq, bk]
       p = jnp.where(vis, jnp.exp(s - _column(lse_ref.at[g])), 0.0)
@@ -427,14 +474,15 @@ def _dq_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
   @pl.when(j == nk - 1)
   def _finish():
     dq_ref[...] = (dq_scr[...] * st.scale).astype(dq_ref.dtype)
-    for g in range(G):
+    for g in range(Gs):
       delta_ref[g] = delta_scr[g].T[:1, :]                            # row [1, bq]
 
 
 def _backward(q, k, v, seg, ev, o, lse, do, st: _Static):
   """Padded residuals and dO [B, T, N*Hp] -> (dq, dk, dv) in the input dtypes."""
   B, T, _ = q.shape
-  G, Hp = st.groups, st.head_dim
+  G, Hp, Gs = st.groups, st.head_dim, st.heads_bwd
+  C = G // Gs
   K = k.shape[-1] // Hp
   N = K * G
   bq, bk = st.blocks.block_q_bwd, st.blocks.block_k_bwd
@@ -446,22 +494,23 @@ def _backward(q, k, v, seg, ev, o, lse, do, st: _Static):
   # dq (and delta): outer over query blocks i, inner over key blocks j, like the forward.
   tabs = _tables(seg, ev, K, bq, bk, outer="q")
   smem = lambda refs: _Smem(refs, K=K, nq=nq, nk=nk, n_outer=nq)
-  jf = lambda b, kh, i, j, refs: smem(refs).fetch(b, kh, i, j)
-  qrow = pl.BlockSpec((None, bq, G * Hp), lambda b, kh, i, j, *r: (b, i, kh))
-  kvb = pl.BlockSpec((None, bk, Hp), lambda b, kh, i, j, *r: (b, jf(b, kh, i, j, r), kh))
-  stat = pl.BlockSpec((None, G, 1, bq), lambda b, kh, i, j, *r: (b, kh, 0, i))
-  segq = pl.BlockSpec((None, 1, bq), lambda b, kh, i, j, *r: (b, 0, i))
-  segk = pl.BlockSpec((None, 1, bk), lambda b, kh, i, j, *r: (b, 0, jf(b, kh, i, j, r)))
-  evk = pl.BlockSpec((None, None, 1, bk), lambda b, kh, i, j, *r: (b, kh, 0, jf(b, kh, i, j, r)))
+  jf = lambda b, hc, i, j, refs: smem(refs).fetch(b, _div(hc, C), i, j)
+  qrow = pl.BlockSpec((None, bq, Gs * Hp), lambda b, hc, i, j, *r: (b, i, hc))
+  kvb = pl.BlockSpec((None, bk, Hp), lambda b, hc, i, j, *r: (b, jf(b, hc, i, j, r), _div(hc, C)))
+  stat = pl.BlockSpec((None, Gs, 1, bq), lambda b, hc, i, j, *r: (b, hc, 0, i))
+  segq = pl.BlockSpec((None, 1, bq), lambda b, hc, i, j, *r: (b, 0, i))
+  segk = pl.BlockSpec((None, 1, bk), lambda b, hc, i, j, *r: (b, 0, jf(b, hc, i, j, r)))
+  evk = pl.BlockSpec((None, None, 1, bk),
+                     lambda b, hc, i, j, *r: (b, _div(hc, C), 0, jf(b, hc, i, j, r)))
   in_specs = [qrow, kvb, kvb, qrow, qrow, stat, segq, segk] + ([evk] if has_ev else [])
   args = [q, k, v, do, o, lse, seg3, seg3] + ([ev4] if has_ev else [])
   dq, delta = pl.pallas_call(
       functools.partial(_dq_kernel, st=st, K=K, nq=nq, nk=nk, has_ev=has_ev),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=7, grid=(B, K, nq, nk), in_specs=in_specs,
+          num_scalar_prefetch=7, grid=(B, K * C, nq, nk), in_specs=in_specs,
           out_specs=[qrow, stat],
-          scratch_shapes=[pltpu.VMEM((bq, G * Hp), jnp.float32),
-                          pltpu.VMEM((G, bq, LANES), jnp.float32)]),
+          scratch_shapes=[pltpu.VMEM((bq, Gs * Hp), jnp.float32),
+                          pltpu.VMEM((Gs, bq, LANES), jnp.float32)]),
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((B, N, 1, T), jnp.float32)],
       compiler_params=_params(st, 3), interpret=_interpret(st),
@@ -471,23 +520,24 @@ def _backward(q, k, v, seg, ev, o, lse, do, st: _Static):
   tabs = _tables(seg, ev, K, bq, bk, outer="k")
   smem = lambda refs: _Smem(refs, K=K, nq=nq, nk=nk, n_outer=nk)
   if_ = lambda b, kh, j, i, refs: smem(refs).fetch(b, kh, j, i)
-  qrow = pl.BlockSpec((None, bq, G * Hp), lambda b, kh, j, i, *r: (b, if_(b, kh, j, i, r), kh))
-  kvb = pl.BlockSpec((None, bk, Hp), lambda b, kh, j, i, *r: (b, j, kh))
-  stat = pl.BlockSpec((None, G, 1, bq),
-                      lambda b, kh, j, i, *r: (b, kh, 0, if_(b, kh, j, i, r)))
-  segq = pl.BlockSpec((None, 1, bq), lambda b, kh, j, i, *r: (b, 0, if_(b, kh, j, i, r)))
-  segk = pl.BlockSpec((None, 1, bk), lambda b, kh, j, i, *r: (b, 0, j))
-  evk = pl.BlockSpec((None, None, 1, bk), lambda b, kh, j, i, *r: (b, kh, 0, j))
+  qrow = pl.BlockSpec((None, bq, Gs * Hp),
+                      lambda b, kh, j, c, i, *r: (b, if_(b, kh, j, i, r), kh * C + c))
+  kvb = pl.BlockSpec((None, bk, Hp), lambda b, kh, j, c, i, *r: (b, j, kh))
+  stat = pl.BlockSpec((None, Gs, 1, bq),
+                      lambda b, kh, j, c, i, *r: (b, kh * C + c, 0, if_(b, kh, j, i, r)))
+  segq = pl.BlockSpec((None, 1, bq), lambda b, kh, j, c, i, *r: (b, 0, if_(b, kh, j, i, r)))
+  segk = pl.BlockSpec((None, 1, bk), lambda b, kh, j, c, i, *r: (b, 0, j))
+  evk = pl.BlockSpec((None, None, 1, bk), lambda b, kh, j, c, i, *r: (b, kh, 0, j))
   in_specs = [qrow, kvb, kvb, qrow, stat, stat, segq, segk] + ([evk] if has_ev else [])
   args = [q, k, v, do, lse, delta, seg3, seg3] + ([ev4] if has_ev else [])
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, st=st, K=K, nq=nq, nk=nk, has_ev=has_ev),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=7, grid=(B, K, nk, nq), in_specs=in_specs,
+          num_scalar_prefetch=7, grid=(B, K, nk, C, nq), in_specs=in_specs,
           out_specs=[kvb, kvb],
           scratch_shapes=[pltpu.VMEM((bk, Hp), jnp.float32)] * 2),
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=_params(st, 3), interpret=_interpret(st),
+      compiler_params=_params(st, 3, 2), interpret=_interpret(st),
       name="vis_flash_tpu_bwd_dkdv")(*tabs.args(), *args)
   return dq, dk, dv
 
@@ -559,11 +609,12 @@ def flash_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
   _check_inputs(q, k, v, vis)
   B, T, N, H = q.shape
   K = k.shape[2]
-  blocks = block_sizes.clamped(T)
+  blocks, heads_fwd, heads_bwd = _plan(block_sizes, T, N // K, jnp.dtype(q.dtype).itemsize)
   T_pad = _padded_length(T, blocks)
   Hp = _round_up(H, LANES)
   st = _Static(scale=H ** -0.5 if scale is None else float(scale), groups=N // K,
-               head_dim=Hp, blocks=blocks, interpret=interpret)
+               head_dim=Hp, blocks=blocks, heads_fwd=heads_fwd, heads_bwd=heads_bwd,
+               interpret=interpret)
   pad4 = ((0, 0), (0, T_pad - T), (0, 0), (0, Hp - H))
   q, k, v = (jnp.pad(x, pad4).reshape(B, T_pad, -1) for x in (q, k, v))
   seg, ev = _side_inputs(vis, B, T, T_pad)
