@@ -34,6 +34,7 @@ def get_config(arg=None):
   c.model.remat = True
 
   c.task.name = "dapo_math"
+  c.task.eval_name = "aime"          # the evaluation file (task.eval_path) is AIME-formatted
   c.task.max_prompt_len = 1024
   c.task.max_new_tokens = 4096       # T = 4096, the paper's horizon
 

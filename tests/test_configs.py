@@ -14,9 +14,8 @@ from flax import nnx
 from trm_jax import config as config_lib
 from trm_jax.kernels import NEVER_EVICTED
 from trm_jax.models import Decoder, ModelConfig
-from trm_jax.rl import optim
 from trm_jax.rl.learner import LearnerBatch, make_learner
-from trm_jax import train
+from trm_jax import step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
@@ -36,12 +35,22 @@ def _load(name):
   return config_lib.load_config(os.path.join(ROOT, "configs", name))
 
 
+def _with_data_paths(c):
+  """The paper configs leave the data files to the command line (their docstrings say so)."""
+  if c.task.name != "synthetic":
+    with pytest.raises(config_lib.ConfigError, match="task.path"):
+      config_lib.validate(c)
+    c.task.path = "/data/train.parquet"
+    c.task.eval_path = "/data/eval.jsonl" if c.task.eval_name else ""
+  return c
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_shipped_configs_validate(name):
-  c = _load(name)
+  c = _with_data_paths(_load(name))
   config_lib.validate(c)
-  train.learner_config(c, max_len=c.task.max_new_tokens or 64)
-  train.cache_config(c)
+  step.learner_config(c, max_len=c.task.max_new_tokens or 64)
+  step.cache_config(c)
 
 
 @pytest.mark.parametrize("name,hf", [("qwen3_8b_dapo_trm.py", QWEN3_8B),
@@ -49,7 +58,7 @@ def test_shipped_configs_validate(name):
 def test_paper_configs_trace_with_abstract_shapes(name, hf):
   """Model, optimizer state and the learner's score + update steps at the config's real
   shapes, traced with jax.eval_shape: consistent shapes, zero bytes allocated."""
-  c = _load(name)
+  c = _with_data_paths(_load(name))
   config_lib.validate(c)
   P, N = c.task.max_prompt_len, c.task.max_new_tokens
   mcfg = ModelConfig.from_hf(hf, dtype=jnp.bfloat16, remat=c.model.remat)
@@ -57,12 +66,9 @@ def test_paper_configs_trace_with_abstract_shapes(name, hf):
   graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
   n_params = sum(x.size for x in jax.tree.leaves(params))
   assert n_params > 3e9, n_params     # 4B / 8B class models
-  tx = optim.make_optimizer(lr=c.optim.lr, warmup_steps=c.optim.warmup_steps,
-                            total_steps=c.total_steps, weight_decay=c.optim.weight_decay,
-                            b1=c.optim.b1, b2=c.optim.b2, eps=c.optim.eps,
-                            clip_norm=c.optim.clip_norm, min_lr_ratio=c.optim.min_lr_ratio)
+  tx = step.make_optimizer(c)
   opt_state = jax.eval_shape(tx.init, params)
-  lcfg = train.learner_config(c, max_len=N)
+  lcfg = step.learner_config(c, max_len=N)
   score, update = make_learner(graphdef, tx, lcfg, response_start=P)
   B, T = c.rl.batch_size // c.rl.num_minibatches, P + N
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
@@ -112,20 +118,64 @@ def test_cli_rejects_inconsistent_batch_before_any_work(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,msg", [
-    ("smd.mode", "smdd", "unknown mode"),
-    ("rollout.top_p", 0.0, "rollout.top_p"),
-    ("rl.num_microbatches", 3, "num_microbatches"),
-    ("trm.criteria", ("trm_max_kl_typo",), "unknown criterion"),
-    ("eval_top_p", 1.5, "eval_top_p"),
-    ("eval_every", -1, "eval_every"),
-    ("log_every", 0, "log_every"),
+    ("smd.mode", "smdd", "bad config value [smd.mode]: unknown value 'smdd'; expected one of "
+     "off, dense, naive, sparse_rl, smd"),
+    ("rollout.top_p", 0.0, "bad config value [rollout.top_p]: must be in (0, 1]"),
+    ("rl.num_microbatches", 3, "inconsistent config [rl.batch_size, rl.num_minibatches, "
+     "rl.num_microbatches]: minibatch of 64 sequences is not divisible by num_microbatches=3"),
+    ("trm.criteria", ("trm_max_kl_typo",), "unknown criterion 'trm_max_kl_typo'"),
+    ("eval_top_p", 1.5, "bad config value [eval_top_p]: must be in (0, 1]"),
+    ("eval_every", -1, "bad config value [eval_every]: must be >= 0"),
+    ("log_every", 0, "bad config value [log_every]: must be an integer >= 1, got 0"),
+    # Everything a sweep can get wrong fails in validate(), before any model loads.
+    ("optim.lr", -1e-4, "bad config value [optim.lr]: must be a finite number >= 0, got -0.0001"),
+    ("optim.lr", float("nan"), "bad config value [optim.lr]: must be a finite number >= 0, "
+     "got nan"),
+    ("rl.objective", "grpo", "bad config value [rl.objective]: unknown value 'grpo'; expected "
+     "one of ppo_clip, tis, trm_surrogate"),
+    ("rl.objective", "token_mask", "unknown value 'token_mask'"),   # a trm.criteria entry now
+    ("rl.loss_agg", "mean", "bad config value [rl.loss_agg]: unknown value 'mean'; expected "
+     "one of token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"),
+    ("rl.baseline", "kept_only", "bad config value [rl.baseline]: unknown value 'kept_only'"),
+    ("rollout.cache.policy", "lru", "bad config value [rollout.cache.policy]: unknown value "
+     "'lru'; expected one of none, snapkv, h2o, recent, random"),
+    ("ckpt_every", 0, "bad config value [ckpt_every]: must be an integer >= 1, got 0"),
+    ("keep_ckpts", 0, "bad config value [keep_ckpts]: must be an integer >= 1, got 0"),
+    ("rl.num_minibatches", 0, "bad config value [rl.num_minibatches]: must be an integer >= 1, "
+     "got 0"),
+    ("rl.num_microbatches", 0, "bad config value [rl.num_microbatches]: must be an integer "
+     ">= 1, got 0"),
+    ("rl.num_epochs", 0, "bad config value [rl.num_epochs]: must be an integer >= 1, got 0"),
+    ("trm.delta", -0.02, "bad config value [trm.delta]: must be a finite number >= 0, "
+     "got -0.02"),
+    ("trm.tau", -1.0, "bad config value [trm.tau]: must be a finite number >= 0, got -1.0"),
+    ("rl.max_consecutive_skips", -1, "bad config value [rl.max_consecutive_skips]: must be a "
+     "finite number >= 0, got -1"),
+    ("model.dtype", "fp16", "bad config value [model.dtype]: unknown value 'fp16'; expected "
+     "one of float32, bfloat16"),
+    ("task.name", "math500", "bad config value [task.name]: unknown value 'math500'"),
 ])
 def test_validate_names_the_key(key, value, msg):
   c = _load("tiny_trm.py")
-  *section, field = key.split(".")
-  (c[section[0]] if section else c)[field] = value
-  with pytest.raises(config_lib.ConfigError, match=msg):
+  *parents, field = key.split(".")
+  node = c
+  for p in parents:
+    node = node[p]
+  node[field] = value
+  with pytest.raises(config_lib.ConfigError) as e:
     config_lib.validate(c)
+  assert msg in str(e.value)
+
+
+def test_compressed_cache_needs_one_budget():
+  c = _load("tiny_trm.py")
+  c.rollout.cache.policy = "h2o"
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  assert str(e.value) == (
+      "inconsistent config [rollout.cache.ratio, rollout.cache.capacity]: "
+      "rollout.cache.policy='h2o' needs exactly one of ratio in (0, 1) or capacity >= 1 "
+      "(got ratio=0.0, capacity=0)")
 
 
 def test_smd_mode_needs_a_compressed_cache():
@@ -148,15 +198,15 @@ def test_truncated_rollouts_under_trm_are_warned_about(caplog):
   # -log(0.95) = 0.0513 nats per token, above the 8B config's trm.delta = 0.05.
   c = _load("qwen3_8b_dapo_trm.py")
   assert c.rollout.top_p == 1.0 and c.eval_top_p == 0.95  # the paper's 0.95 is for evaluation
-  with caplog.at_level(logging.WARNING, logger="trm_jax.train"):
-    train.warn_truncation(c)
+  with caplog.at_level(logging.WARNING, logger="trm_jax.step"):
+    step.warn_truncation(c)
     assert not caplog.records
     c.rollout.top_p = 0.95
-    train.warn_truncation(c)
+    step.warn_truncation(c)
   assert len(caplog.records) == 1
   msg = caplog.records[0].getMessage()
   assert "top_p=0.95 (up to 0.0513 nats per token)" in msg and "trm.delta=0.05" in msg
   caplog.clear()
   c.trm.criteria = ()
-  train.warn_truncation(c)  # no TRM: nothing measures the truncation, nothing to warn about
+  step.warn_truncation(c)  # no TRM: nothing measures the truncation, nothing to warn about
   assert not caplog.records

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import os
 from typing import Iterable, Sequence
 
@@ -20,6 +21,13 @@ import ml_collections
 
 class ConfigError(ValueError):
   """A config key is unknown, mistyped or inconsistent with another key."""
+
+
+# Names of the `model.dtype` / `rollout.dtype` settings (the trainer maps them to jnp dtypes).
+DTYPES = ("float32", "bfloat16")
+# Tasks read from local files (trm_jax.data.loaders.LOADERS; kept here so that loading a config
+# does not import the data stack).
+FILE_TASKS = ("gsm8k", "dapo_math", "aime")
 
 
 def load_config(spec: str) -> ml_collections.ConfigDict:
@@ -64,11 +72,95 @@ def check_override_keys(config: ml_collections.ConfigDict, argv: Sequence[str],
 
 def _require(cond: bool, keys: Iterable[str], msg: str) -> None:
   if not cond:
-    raise ConfigError(f"inconsistent config [{', '.join(keys)}]: {msg}")
+    keys = list(keys)
+    what = "bad config value" if len(keys) == 1 else "inconsistent config"
+    raise ConfigError(f"{what} [{', '.join(keys)}]: {msg}")
+
+
+def _positive_int(c: ml_collections.ConfigDict, *keys: str) -> None:
+  for key in keys:
+    v = _get(c, key)
+    _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, [key],
+             f"must be an integer >= 1, got {v!r}")
+
+
+def _non_negative(c: ml_collections.ConfigDict, *keys: str) -> None:
+  for key in keys:
+    v = _get(c, key)
+    _require(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, [key],
+             f"must be a finite number >= 0, got {v!r}")
+
+
+def _one_of(c: ml_collections.ConfigDict, key: str, choices: Sequence[str]) -> None:
+  v = _get(c, key)
+  _require(v in choices, [key], f"unknown value {v!r}; expected one of {', '.join(choices)}")
+
+
+def _get(c: ml_collections.ConfigDict, key: str):
+  node = c
+  for part in key.split("."):
+    node = node[part]
+  return node
+
+
+def validate_task(t: ml_collections.ConfigDict) -> None:
+  """Checks of the `task` section alone (also run by `trm_jax.data.task.Task`)."""
+  for key, choices in (("name", ("synthetic", *FILE_TASKS)), ("eval_name", ("", *FILE_TASKS))):
+    _require(t[key] in choices, [f"task.{key}"],
+             f"unknown value {t[key]!r}; expected one of {', '.join(map(repr, choices))}")
+  _require(t.max_prompt_len >= 0 and t.max_new_tokens >= 0,
+           ["task.max_prompt_len", "task.max_new_tokens"], "must be >= 0 (0 = derived)")
+  if t.name == "synthetic":
+    _require(not (t.path or t.eval_path or t.eval_name),
+             ["task.name", "task.path", "task.eval_path", "task.eval_name"],
+             "the synthetic task reads no files; leave task.path, task.eval_path and "
+             "task.eval_name empty")
+    return
+  _require(bool(t.path), ["task.name", "task.path"],
+           f"task.name={t.name!r} needs task.path (a local jsonl/json/parquet file)")
+  _require(t.max_prompt_len > 0 and t.max_new_tokens > 0,
+           ["task.name", "task.max_prompt_len", "task.max_new_tokens"],
+           f"task.name={t.name!r} needs task.max_prompt_len and task.max_new_tokens > 0 (only "
+           "the synthetic task derives them)")
+  _require(not t.eval_name or bool(t.eval_path), ["task.eval_name", "task.eval_path"],
+           f"task.eval_name={t.eval_name!r} is the format of task.eval_path, which is empty "
+           "(held-out rows of task.path have task.name's format)")
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
-  """Cross-field checks; each names the keys involved. Call before allocating anything."""
+  """Cross-field checks; each names the keys involved. Call before allocating anything.
+
+  Everything a sweep can get wrong is checked here, before any model loads, so a grid refuses
+  a bad cell up front instead of failing minutes into that cell's run.
+  """
+  # pylint: disable=g-import-not-at-top  (jax-heavy modules; the config module stays light)
+  from trm_jax.rl.advantages import BASELINES
+  from trm_jax.rl.learner import MODES
+  from trm_jax.rl.objectives import LOSS_AGG_MODES, OBJECTIVES
+  from trm_jax.rollout.types import POLICIES
+  from trm_jax.trm import CRITERIA
+  _positive_int(c, "total_steps", "log_every", "ckpt_every", "keep_ckpts", "rl.batch_size",
+                "rl.group_size", "rl.num_minibatches", "rl.num_microbatches",
+                "rl.num_epochs", "rl.chunk")
+  _non_negative(c, "optim.lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
+                "optim.min_lr_ratio", "rl.kl_beta", "rl.max_consecutive_skips",
+                "rollout.logit_noise", "rollout.router_noise", "smd.lam",
+                *(f"trm.{k}" for k in c.trm if k != "criteria"))
+  _one_of(c, "rl.objective", sorted(OBJECTIVES))
+  _one_of(c, "rl.loss_agg", LOSS_AGG_MODES)
+  _one_of(c, "rl.baseline", BASELINES)
+  _one_of(c, "rollout.cache.policy", POLICIES)
+  _one_of(c, "smd.mode", MODES)
+  _one_of(c, "model.dtype", DTYPES)
+  _one_of(c, "rollout.dtype", DTYPES)
+  cc = c.rollout.cache
+  if cc.policy != "none":
+    _require((cc.ratio > 0) != (cc.capacity > 0),
+             ["rollout.cache.ratio", "rollout.cache.capacity"],
+             f"rollout.cache.policy={cc.policy!r} needs exactly one of ratio in (0, 1) or "
+             f"capacity >= 1 (got ratio={cc.ratio}, capacity={cc.capacity})")
+    _require(0.0 <= cc.ratio < 1.0, ["rollout.cache.ratio"], f"must be in [0, 1), got {cc.ratio}")
+  validate_task(c.task)
   r = c.rl
   _require(r.group_size >= 2, ["rl.group_size"], "GRPO needs at least 2 samples per prompt")
   _require(r.batch_size % r.group_size == 0, ["rl.batch_size", "rl.group_size"],
@@ -79,19 +171,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(mb % r.num_microbatches == 0, ["rl.batch_size", "rl.num_minibatches",
                                           "rl.num_microbatches"],
            f"minibatch of {mb} sequences is not divisible by num_microbatches={r.num_microbatches}")
-  _require(c.total_steps > 0, ["total_steps"], "must be positive")
-  _require(c.log_every >= 1, ["log_every"], "must be >= 1")
   _require(c.eval_every >= 0, ["eval_every"], "must be >= 0 (0 = only at the end)")
   _require(c.eval_problems >= 0 and c.eval_samples >= 1, ["eval_problems", "eval_samples"],
            "need eval_problems >= 0 and eval_samples >= 1")
-  _require(0.0 <= c.smd.lam, ["smd.lam"], "distillation weight must be >= 0")
-  from trm_jax.rl.learner import MODES  # pylint: disable=g-import-not-at-top
-  _require(c.smd.mode in MODES, ["smd.mode"],
-           f"unknown mode {c.smd.mode!r}; expected {'|'.join(MODES)}")
   if c.smd.mode in ("naive", "sparse_rl", "smd"):
     _require(c.rollout.cache.policy != "none", ["smd.mode", "rollout.cache.policy"],
              f"smd.mode={c.smd.mode!r} needs a compressed rollout cache")
-  from trm_jax.trm import CRITERIA  # pylint: disable=g-import-not-at-top
   for name in c.trm.criteria:
     _require(name in CRITERIA, ["trm.criteria"],
              f"unknown criterion {name!r}; known: {', '.join(sorted(CRITERIA))}")

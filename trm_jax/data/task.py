@@ -39,10 +39,10 @@ from typing import Optional, Sequence
 import ml_collections
 import numpy as np
 
-from trm_jax.config import ConfigError
+from trm_jax.config import ConfigError, validate_task
 from trm_jax.data import synthetic
 from trm_jax.data.batching import PromptBatch, make_prompt_batch
-from trm_jax.data.loaders import LOADERS, load_problems
+from trm_jax.data.loaders import load_problems
 from trm_jax.data.problem import Problem
 from trm_jax.data.tokenizer import Tokenizer
 
@@ -88,6 +88,7 @@ class Task:
   def __init__(self, task_config: ml_collections.ConfigDict, seed: int, tokenizer: Tokenizer,
                eval_problems: int):
     t = task_config
+    validate_task(t)
     self.name, self.seed, self.tok = t.name, int(seed), tokenizer
     self.synthetic: Optional[synthetic.SyntheticConfig] = None
     self.train_set: Optional[list[Problem]] = None
@@ -98,21 +99,7 @@ class Task:
                                                                              tokenizer)
       self.max_new_tokens = t.max_new_tokens or synthetic.max_completion_tokens(self.synthetic)
       return
-    if t.name not in LOADERS:
-      raise ConfigError(f"task.name={t.name!r}; expected 'synthetic' or one of "
-                        f"{sorted(LOADERS)}")
     eval_name = t.eval_name or t.name
-    if eval_name not in LOADERS:
-      raise ConfigError(f"task.eval_name={t.eval_name!r}; expected '' (same as task.name) or "
-                        f"one of {sorted(LOADERS)}")
-    if t.eval_name and not t.eval_path:
-      raise ConfigError(f"task.eval_name={t.eval_name!r} is the format of task.eval_path, "
-                        "which is empty (held-out rows of task.path have task.name's format)")
-    if not t.path:
-      raise ConfigError(f"task.name={t.name!r} needs task.path (a local file)")
-    if not (t.max_prompt_len and t.max_new_tokens):
-      raise ConfigError(f"task.name={t.name!r} needs task.max_prompt_len and "
-                        "task.max_new_tokens (only the synthetic task derives them)")
     self.max_prompt_len, self.max_new_tokens = t.max_prompt_len, t.max_new_tokens
     problems = load_problems(t.name, t.path)
     if t.eval_path:
