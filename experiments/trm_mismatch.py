@@ -54,7 +54,7 @@ CONFIG = os.path.join(REPO, "configs", "tiny_moe_mismatch.py")
 # difference is how the pi_theta / pi_roll mismatch is handled.
 METHODS = {
     "ppo_clip": {"rl.objective": "ppo_clip", "trm.criteria": ()},
-    "token_mask": {"rl.objective": "token_mask", "trm.criteria": ()},
+    "token_mask": {"rl.objective": "trm_surrogate", "trm.criteria": ("token_mask",)},
     "tis": {"rl.objective": "tis", "trm.criteria": ()},
     "trm_max_kl": {"rl.objective": "trm_surrogate", "trm.criteria": ("trm_max_kl",)},
     "trm_max_tv": {"rl.objective": "trm_surrogate", "trm.criteria": ("trm_max_tv",)},

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from trm_jax import trm
 from trm_jax.rl import objectives as obj
 
 B, T = 4, 6
@@ -13,7 +14,6 @@ HPARAMS = {
     "trm_surrogate": {},
     "ppo_clip": dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0),
     "tis": dict(tis_cap=2.0),
-    "token_mask": dict(tau=0.5),
 }
 MAX_LEN = 8
 
@@ -181,17 +181,25 @@ def test_ppo_ratio_uses_logp_old_when_given():
   np.testing.assert_allclose(np.asarray(g)[0], -1.0)
 
 
-def test_token_mask_zeroes_the_right_tokens():
+def test_token_mask_criterion_zeroes_the_right_tokens():
+  """Token masking (the baseline the TRM paper argues against) is the criterion "token_mask":
+  the learner multiplies the surrogate's token weights by its token mask (rl.learner), giving
+  per token -A rho 1[|log rho| <= tau]."""
   log_r = np.array([0.0, 0.49, -0.49, 0.51, -2.0, 3.0])
   lt, args = _one_row(log_r, 2.0)
+  stats = trm.token_stats(args["response_mask"], logp_theta=jnp.asarray(lt),
+                          logp_roll=args["logp_roll"])
+  res = trm.apply_criteria(("token_mask",), {"tau": 0.5}, stats)
   (loss, m), g = jax.value_and_grad(
-      lambda lt: obj.token_mask(logp_theta=lt, tau=0.5, **args), has_aux=True)(lt)
+      lambda lt: obj.trm_surrogate(logp_theta=lt, token_weights=res.token_mask, **args),
+      has_aux=True)(lt)
   keep = np.abs(log_r) <= 0.5
   g = np.asarray(g)[0]
   np.testing.assert_array_equal(g[~keep], 0.0)
   np.testing.assert_allclose(g[keep], -2.0 * np.exp(log_r[keep]), rtol=1e-6)
   np.testing.assert_allclose(float(loss), (-2.0 * np.exp(log_r) * keep).sum(), rtol=1e-6)
-  assert float(m["token_masked_frac"]) == pytest.approx(3 / 6)
+  assert float(m["token_kept_frac"]) == pytest.approx(3 / 6)
+  np.testing.assert_array_equal(res.seq_mask, 1.0)  # no sequence is dropped
 
 
 def test_tis_weight_is_truncated_and_gradient_free():

@@ -12,7 +12,7 @@ scalar to *minimise* (minus the surrogate) and `metrics` a dict of fp32 scalars.
   logp_old       [B, T]  PPO's behaviour policy; `ppo_clip` only, defaults to logp_roll.
   logp_ref, kl_beta      optional k3 KL penalty to a reference policy (both or neither).
   token_weights  [B, T]  optional fixed per-token weights on the policy-gradient term
-                         (Sparse-RL's, `trm_jax.rl.sparse_rl`).
+                         (Sparse-RL's, `trm_jax.rl.sparse_rl`; token-level TRM criteria).
   loss_agg, normalizer, max_len   aggregation, below.
 
 Per-token terms (rho = pi_theta / pi_roll, r = pi_theta / pi_old, both from log space):
@@ -23,8 +23,10 @@ Per-token terms (rho = pi_theta / pi_roll, r = pi_theta / pi_old, both from log 
                  term re-weighted by the truncated, gradient-free ratio; its gradient is
                  min(rho, C) A grad log pi_theta. -A min(rho, C) has the same gradient below C
                  but none above it: truncated tokens would drop out instead of counting C)
-  token_mask     -A rho 1[|log rho| <= tau]     (baseline the TRM paper argues against: it
-                 changes the loss, not the policy pair, so the trust region stays violated)
+Token masking (-A rho 1[|log rho| <= tau], the baseline the TRM paper argues against: it
+changes the loss, not the policy pair, so the trust region stays violated) is not an objective
+here but the `trm_jax.trm` criterion "token_mask", whose token mask the learner multiplies into
+token_weights of any objective.
 Each is then multiplied by M[b] (masked sequences leave the loss entirely, the KL term too),
 by response_mask and by token_weights, and aggregated.
 
@@ -289,29 +291,6 @@ def truncated_is(*, logp_theta, logp_roll, advantages, response_mask, seq_mask, 
                  loss_agg=loss_agg, normalizer=normalizer, max_len=max_len, extra_metrics=extra)
 
 
-def token_mask(*, logp_theta, logp_roll, advantages, response_mask, seq_mask, loss_agg,
-               tau: float, logp_old=None, logp_ref=None, kl_beta=None, token_weights=None,
-               normalizer=None, max_len=None) -> tuple[jax.Array, dict]:
-  """Token masking baseline: per token -A rho 1[|log rho| <= tau] (mask is stop-gradient).
-
-  Masked tokens stay in the normaliser (like masked sequences): the mask removes their term,
-  it does not re-weight the rest.
-  """
-  if tau <= 0.0:
-    raise ValueError(f"tau must be > 0, got {tau!r}")
-  valid, adv, log_rho = _prepare(logp_theta, logp_roll, advantages, response_mask, seq_mask,
-                                 logp_old, logp_ref, kl_beta, token_weights, loss_agg, max_len,
-                                 uses_old=False, name="token_mask")
-  keep = sg((jnp.abs(log_rho) <= tau).astype(jnp.float32))             # [B, T]
-  pg_token = -adv * jnp.exp(log_rho)
-  m = sg(response_mask).astype(jnp.float32) * sg(seq_mask).astype(jnp.float32)[:, None]
-  extra = {"token_masked_frac": _masked_mean(1.0 - keep, m)}
-  return _finish(pg_token, logp_theta=logp_theta, log_rho=log_rho,
-                 response_mask=response_mask, seq_mask=seq_mask, token_keep=keep,
-                 token_weights=token_weights, logp_ref=logp_ref, kl_beta=kl_beta,
-                 loss_agg=loss_agg, normalizer=normalizer, max_len=max_len, extra_metrics=extra)
-
-
 # ---------------------------------------------------------------------------------------------
 # Registry: the trainer config names the objective.
 # ---------------------------------------------------------------------------------------------
@@ -319,7 +298,6 @@ OBJECTIVES: dict[str, Callable[..., tuple[jax.Array, dict]]] = {
     "trm_surrogate": trm_surrogate,
     "ppo_clip": ppo_clip,
     "tis": truncated_is,
-    "token_mask": token_mask,
 }
 
 
