@@ -2,7 +2,7 @@
 
 For each device count n and layout, a fresh process (XLA_FLAGS sets the simulated device count
 before jax starts) builds a tiny decoder, places it on the mesh the way the trainer does
-(`train.init_learner_state`, `sharding.put_batch`), and:
+(`step.init_learner_state`, `sharding.put_batch`), and:
   * compiles `update` (the learner's jitted minibatch step) and reads
     `compile().memory_analysis()`: arguments + outputs - aliased (donated) + temporaries, the
     per-device footprint of the SPMD-partitioned program;
@@ -41,7 +41,7 @@ def _worker(n: int, layout: str, steps: int) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   from trm_jax import sharding as shd  # pylint: disable=g-import-not-at-top
-  from trm_jax import train  # pylint: disable=g-import-not-at-top
+  from trm_jax import step  # pylint: disable=g-import-not-at-top
   from trm_jax.models.decoder import make_test_model  # pylint: disable=g-import-not-at-top
   from trm_jax.rl import optim  # pylint: disable=g-import-not-at-top
   from trm_jax.rl import learner  # pylint: disable=g-import-not-at-top
@@ -50,7 +50,7 @@ def _worker(n: int, layout: str, steps: int) -> dict:
   model = shd.shard_model(make_test_model(seed=0, **MODEL), mesh)
   tx = optim.make_optimizer(lr=1e-4, warmup_steps=1, total_steps=100, weight_decay=0.0, b1=0.9,
                             b2=0.99, eps=1e-8, clip_norm=1.0, min_lr_ratio=0.1)
-  graphdef, params, rest, opt_state, state_sh = train.init_learner_state(model, tx, mesh)
+  graphdef, params, rest, opt_state, state_sh = step.init_learner_state(model, tx, mesh)
   cfg = learner.LearnerConfig(objective="trm_surrogate", loss_agg="seq-mean-token-mean",
                               criteria=("k3_avg",), thresholds=(("delta_k3", 1.0),), chunk=16)
   _, update = learner.make_learner(graphdef, tx, cfg, response_start=P, state_shardings=state_sh)

@@ -85,17 +85,21 @@ def get_config(arg=None):
   c.rl.num_minibatches = 1         # optimizer steps per rollout batch, per epoch
   c.rl.num_epochs = 1
   c.rl.num_microbatches = 1        # gradient accumulation inside a minibatch
-  c.rl.objective = "trm_surrogate"  # trm_surrogate | ppo_clip | tis | token_mask
+  c.rl.objective = "trm_surrogate"  # trm_surrogate | ppo_clip | tis (token masking is the
+                                   #   trm.criteria entry "token_mask")
   c.rl.loss_agg = "seq-mean-token-sum"  # the TRM surrogate E[M A sum_t rho_t]
   c.rl.normalize_std = True        # GRPO std normalisation (False: Dr.GRPO-style)
-  c.rl.baseline = "all"            # group baseline over all rollouts or only TRM-kept ones
+  c.rl.baseline = "all"            # GRPO group baseline: "all" rollouts, or only the TRM-kept
+                                   #   ones ("kept"; masked rollouts get advantage 0)
   c.rl.clip_eps_low = 0.2          # ppo_clip
   c.rl.clip_eps_high = 0.2         # ppo_clip
   c.rl.dual_clip_c = 3.0           # ppo_clip dual clip
   c.rl.tis_cap = 2.0               # tis truncation C
-  c.rl.token_mask_tau = 0.5        # token_mask |log rho| threshold
   c.rl.chunk = 64                  # positions per vocabulary projection in the learner
   c.rl.kl_beta = 0.0               # k3 KL penalty to the frozen starting policy (0 = off)
+  c.rl.max_consecutive_skips = 10  # stop the run after this many consecutive steps whose
+                                   #   updates were all skipped (non-finite, or every sequence
+                                   #   masked): such a run cannot learn (0 = never stop)
 
   # TRM
   c.trm = ml_collections.ConfigDict()
@@ -107,7 +111,7 @@ def get_config(arg=None):
   c.trm.delta_k3 = 0.01
   c.trm.delta_w = 0.05             # LN-TRM
   c.trm.delta_ser = 0.1            # SER
-  c.trm.tau = 0.5                  # token_mask criterion
+  c.trm.tau = 0.5                  # token_mask criterion: drop tokens with |log rho| > tau
 
   # SMD
   c.smd = ml_collections.ConfigDict()

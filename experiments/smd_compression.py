@@ -83,8 +83,8 @@ def learner_memory(methods, fixed: dict) -> dict:
   import jax.numpy as jnp
   import optax
   from flax import nnx
-  from trm_jax import train, warmup
-  from trm_jax.data import load_tokenizer
+  from trm_jax import step, warmup
+  from trm_jax.data import Task, load_tokenizer
   from trm_jax.models import from_pretrained
   from trm_jax.rl.learner import LearnerBatch, make_learner
   out = {}
@@ -94,11 +94,11 @@ def learner_memory(methods, fixed: dict) -> dict:
     c = sweep.cell_config(CONFIG, list({**fixed, **ov}.items()))
     base = warmup.ensure_base_model(c, log=lambda _: None)
     model = from_pretrained(base, dtype=jnp.float32)
-    task = train.Task(c, load_tokenizer(base))
+    task = Task(c.task, c.seed, load_tokenizer(base), c.eval_problems)
     P, N = task.max_prompt_len, task.max_new_tokens
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optax.adamw(1e-4)
-    _, update = make_learner(graphdef, tx, train.learner_config(c, N), response_start=P)
+    _, update = make_learner(graphdef, tx, step.learner_config(c, N), response_start=P)
     B, T, cfg = c.rl.batch_size, P + N, model.config
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     batch = LearnerBatch(

@@ -6,7 +6,7 @@ What is covered across processes: `jax.distributed.initialize` via the trainer's
 `init_distributed` (the standard JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
 variables), the mesh over all processes' devices, batches handed in as per-process shards
 (`sharding.put_batch`), the sharded update, and gathering the result to a host
-(`train.host`). A second test runs the whole trainer (`python -m trm_jax.train`) in two
+(`step.host`). A second test runs the whole trainer (`python -m trm_jax.train`) in two
 processes and checks it against the same run in one process with 4 devices.
 
 Run as a script, this file is the worker: `python tests/test_distributed.py OUT.npz`.
@@ -30,6 +30,7 @@ def _worker(out_path: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   from trm_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  from trm_jax import step as train_step  # pylint: disable=g-import-not-at-top
   from trm_jax import train  # pylint: disable=g-import-not-at-top
   assert train.init_distributed()
   assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
@@ -40,7 +41,7 @@ def _worker(out_path: str) -> None:
   assert {d.process_index for d in mesh.devices[0].flat} == {0}
   assert {d.process_index for d in mesh.devices[1].flat} == {1}
   params, opt_state, aux, _ = tts.learner_step(mesh)
-  leaves = [train.host(x) for x in jax.tree.leaves((params, opt_state))]
+  leaves = [train_step.host(x) for x in jax.tree.leaves((params, opt_state))]
   aux = {k: float(v) for k, v in aux.items()}
   if jax.process_index() == 0:
     np.savez(out_path, *leaves, aux_keys=np.array(sorted(aux)),
@@ -58,7 +59,7 @@ def _free_port() -> int:
 def test_two_processes_equal_one_process_with_four_devices(tmp_path):
   import jax  # pylint: disable=g-import-not-at-top
   from trm_jax import sharding as shd  # pylint: disable=g-import-not-at-top
-  from trm_jax import train  # pylint: disable=g-import-not-at-top
+  from trm_jax import step as train_step  # pylint: disable=g-import-not-at-top
   import test_train_sharding as tts  # pylint: disable=g-import-not-at-top
 
   out = str(tmp_path / "two_process.npz")
@@ -83,7 +84,7 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
 
   mesh = shd.make_mesh(shd.resolve_mesh_shape(MESH, 4), jax.devices()[:4])
   params, opt_state, aux, _ = tts.learner_step(mesh)
-  ref = [np.asarray(train.host(x)) for x in jax.tree.leaves((params, opt_state))]
+  ref = [np.asarray(train_step.host(x)) for x in jax.tree.leaves((params, opt_state))]
   got = np.load(out)
   assert len(got.files) == len(ref) + 2
   for i, r in enumerate(ref):

@@ -8,14 +8,17 @@ bad values, conflicting plans and crashing cells are reported by name.
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from trm_jax import config as config_lib
 from trm_jax import sweep
+from trm_jax import workdir as wd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny_trm.py")
@@ -102,6 +105,50 @@ def test_aggregate_only_and_conflicting_plan(swept):
   cells = sweep.product([("", {"total_steps": 3})], sweep.axis("seed", [0]))
   with pytest.raises(config_lib.ConfigError, match="cell 'seed=0'"):
     sweep.run_sweep(CONFIG, cells, workdir)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      return "\nState:\tZ" not in f.read()   # a zombie has exited
+  except FileNotFoundError:
+    return False
+
+
+def test_killed_sweep_takes_its_cells_with_it(swept):
+  """SIGKILL of the sweep must not leave its cell training as an orphan (a rerun would then
+  start the same cell beside it)."""
+  tmp, _, sets, _ = swept
+  workdir = str(tmp / "killed")
+  proc = subprocess.Popen([sys.executable, "-m", "trm_jax.sweep", "--config", CONFIG,
+                           "--workdir", workdir, "--grid", "seed=0", *sets,
+                           "--set", "total_steps=500"], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  lock = os.path.join(workdir, "cells", "seed=0", wd.LOCK_FILE)
+  cell_pid = None
+  deadline = time.time() + 300
+  while time.time() < deadline and cell_pid is None and proc.poll() is None:
+    try:
+      with open(lock) as f:
+        cell_pid = json.load(f)["pid"]      # the cell's trainer holds its workdir lock
+    except (OSError, ValueError, KeyError):
+      time.sleep(0.2)
+  assert cell_pid is not None, "the cell never started"
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  deadline = time.time() + 15
+  while time.time() < deadline and (_alive(cell_pid) or not _lock_free(os.path.dirname(lock))):
+    time.sleep(0.1)
+  assert not _alive(cell_pid), "the cell outlived its sweep"
+  assert _lock_free(os.path.dirname(lock)), "the cell's workdir lock outlived it"
+
+
+def _lock_free(workdir: str) -> bool:
+  try:
+    wd.WorkdirLock(workdir).release()
+    return True
+  except wd.WorkdirError:
+    return False
 
 
 def test_bad_overrides_fail_before_anything_runs(tmp_path):

@@ -55,10 +55,10 @@ def _env(tmp):
   return env
 
 
-def _train(tmp, workdir, *overrides) -> str:
+def _train(tmp, workdir, *overrides, ok: bool = True) -> str:
   p = subprocess.run(_args(tmp, workdir, *overrides), cwd=ROOT, env=_env(tmp),
                      capture_output=True, text=True, timeout=TIMEOUT)
-  assert p.returncode == 0, p.stderr[-4000:]
+  assert (p.returncode == 0) == ok, p.stderr[-4000:]
   return p.stderr
 
 
@@ -204,3 +204,64 @@ def test_nan_gradients_skip_the_update_and_the_run_goes_on(tmp, reference):
   counts = [k for k in s1 if k.endswith("['count']")]
   assert counts and all(int(s1[k]) == 1 for k in counts)
   assert all(int(s3[k]) == 2 for k in counts)
+
+
+def test_resume_refuses_a_changed_config_naming_each_key(tmp, reference):
+  workdir = os.path.join(tmp, "changed")
+  shutil.copytree(reference, workdir)
+  with open(os.path.join(workdir, "config.json")) as f:
+    before = f.read()
+  log = _train(tmp, workdir, "--config.optim.lr=1e-4", "--config.rollout.logit_noise=0.2",
+               "--config.eval_every=3", ok=False)
+  line = log.strip().splitlines()[-1]
+  assert line == (f"error: {workdir} holds a run (checkpoint step {STEPS}) with other settings: "
+                  "optim.lr: 3e-05 -> 0.0001; rollout.logit_noise: 0.1 -> 0.2. Use another "
+                  "--workdir, or pass --allow_config_change to continue this run with the new "
+                  "settings (both configs are kept)"), line   # eval_every may change
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert f.read() == before                    # the run's record is untouched
+
+  # Asked for, the change is made, said, and both configs are kept.
+  log = _train(tmp, workdir, "--config.optim.lr=1e-4", f"--config.total_steps={STEPS + 1}",
+               "--allow_config_change")
+  assert f"--allow_config_change: continuing from step {STEPS} with optim.lr: 3e-05 -> 0.0001" \
+      in log, log[-3000:]
+  assert f"total_steps {STEPS} -> {STEPS + 1}: extending the run" in log
+  with open(os.path.join(workdir, f"config.before_step_{STEPS}.json")) as f:
+    assert json.load(f)["optim"]["lr"] == 3e-5
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["optim"]["lr"] == 1e-4
+  assert [r["step"] for r in _metrics(workdir)][-2:] == [STEPS, STEPS + 1]
+
+
+def test_extending_total_steps_continues_and_says_so(tmp, reference):
+  workdir = os.path.join(tmp, "extended")
+  shutil.copytree(reference, workdir)
+  log = _train(tmp, workdir, f"--config.total_steps={STEPS + 2}")
+  assert (f"total_steps {STEPS} -> {STEPS + 2}: extending the run from step {STEPS}; the "
+          "learning-rate schedule now spans") in log, log[-3000:]
+  assert [r["step"] for r in _metrics(workdir)] == list(range(0, STEPS + 3))
+  # Shortening below the steps done cannot resume.
+  log = _train(tmp, workdir, "--config.total_steps=3", ok=False)
+  assert log.strip().splitlines()[-1] == (
+      f"error: total_steps=3, but the run in {workdir} is at step {STEPS + 2} already; use "
+      "another --workdir")
+
+
+def test_a_run_that_cannot_learn_stops_naming_why(tmp, reference):
+  """trm.delta = 0 masks every sequence (bf16 + noise always diverge a little): no update can
+  happen, so after rl.max_consecutive_skips steps the run stops instead of exiting 0."""
+  del reference  # only for the base model and the compilation cache
+  workdir = os.path.join(tmp, "stalled")
+  log = _train(tmp, workdir, "--config.trm.delta=0.0", "--config.rl.max_consecutive_skips=2",
+               "--config.eval_every=0", ok=False)
+  assert log.strip().splitlines()[-1] == (
+      "error: stopping at step 2: every update of the last 2 steps was skipped "
+      "(rl.max_consecutive_skips=2): 0 steps had a non-finite loss or gradient, 2 had every "
+      "sequence masked. The run cannot learn: check the weights and the tokenizer, lower "
+      "optim.lr, or loosen trm.* thresholds; the last good checkpoint is kept")
+  recs = _metrics(workdir)
+  assert [r["step"] for r in recs] == [1, 2]
+  assert all(r["learner/skipped"] == 1.0 and r["learner/skipped_all_masked"] == 1.0 and
+             r["trm/reject_rate"] == 1.0 for r in recs)
+  assert not os.path.exists(os.path.join(workdir, "summary.json"))

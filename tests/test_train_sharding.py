@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 from trm_jax import config as config_lib
 from trm_jax import sharding as shd
+from trm_jax import step
 from trm_jax import train
 from trm_jax.models.decoder import make_test_model
 from trm_jax.rl import optim
@@ -58,7 +59,7 @@ def learner_step(mesh, steps: int = 1):
       state, sh, is_leaf=lambda x: isinstance(x, nnx.Variable)))
   tx = optim.make_optimizer(lr=1e-2, warmup_steps=1, total_steps=10, weight_decay=0.01, b1=0.9,
                             b2=0.99, eps=1e-3, clip_norm=1.0, min_lr_ratio=0.1)
-  graphdef, params, rest, opt_state, state_sh = train.init_learner_state(model, tx, mesh)
+  graphdef, params, rest, opt_state, state_sh = step.init_learner_state(model, tx, mesh)
   cfg = LearnerConfig(objective="trm_surrogate", loss_agg="seq-mean-token-mean",
                       criteria=("k3_avg",), thresholds=(("delta_k3", 1.0),),
                       num_microbatches=2, chunk=8)
@@ -72,7 +73,7 @@ def learner_step(mesh, steps: int = 1):
 
 
 def _np(tree):
-  return [np.asarray(train.host(x)) for x in jax.tree.leaves(tree)]
+  return [np.asarray(step.host(x)) for x in jax.tree.leaves(tree)]
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +135,8 @@ def test_mesh_from_config_fills_minus_one_and_names_bad_keys():
 
 
 def test_oom_is_reraised_with_the_knobs_to_lower():
-  with pytest.raises(train.OutOfMemoryError) as e:
-    with train.oom_hints("learner update"):
+  with pytest.raises(step.OutOfMemoryError) as e:
+    with step.oom_hints("learner update"):
       raise jax.errors.JaxRuntimeError(
           "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
   msg = str(e.value)
@@ -144,12 +145,12 @@ def test_oom_is_reraised_with_the_knobs_to_lower():
   assert "learner update" in msg and "1.00GiB" in msg
   # Any other runtime error passes through untouched.
   with pytest.raises(jax.errors.JaxRuntimeError, match="INVALID_ARGUMENT"):
-    with train.oom_hints("rollout"):
+    with step.oom_hints("rollout"):
       raise jax.errors.JaxRuntimeError("INVALID_ARGUMENT: bad")
 
 
 def test_real_allocation_failure_is_caught():
   """A genuine XLA RESOURCE_EXHAUSTED (a 2^62-byte buffer) goes through the same path."""
-  with pytest.raises(train.OutOfMemoryError, match="rl.num_microbatches"):
-    with train.oom_hints("rollout"):
+  with pytest.raises(step.OutOfMemoryError, match="rl.num_microbatches"):
+    with step.oom_hints("rollout"):
       jax.block_until_ready(jnp.zeros((2 ** 31, 2 ** 29), jnp.float32))

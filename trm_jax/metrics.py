@@ -41,10 +41,15 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
-_RESERVED = ("step", "wall_time")
-DEFAULT_PROGRESS_KEYS = ("reward", "rej_rate", "ppl_gap", "B*")
-DEFAULT_PLOT_KEYS = ("reward", "accuracy", "rej_rate", "ppl_gap", "B*", "smd_kl", "loss",
-                     "tokens_per_s")
+RESERVED_KEYS = ("step", "wall_time")  # every metrics.jsonl record has them; not metrics
+# The trainer's metric names (trm_jax.step.rl_step, rl.learner, trm.monitors) shown by default.
+DEFAULT_PROGRESS_KEYS = ("reward", "trm/reject_rate", "trm/ppl_gap", "bound/unified")
+DEFAULT_PLOT_KEYS = ("reward", "trm/reject_rate", "trm/ppl_gap", "bound/unified",
+                     "learner/entropy", "response_len")
+DEFAULT_SUMMARY_KEYS = ("reward", "accuracy", "trm/reject_rate", "trm/ppl_gap",
+                        "bound/unified", "smd/distill_kl", "sparse_rl/wasted_frac",
+                        "learner/entropy", "response_len", "learner/skipped",
+                        "throughput/tokens_per_s", "memory/host_peak_rss_mb")
 
 
 def tb_tag(name: str) -> str:
@@ -83,7 +88,7 @@ class MetricsLogger:
     logger = MetricsLogger(workdir, total_steps=cfg.steps, resume_step=restored_step)  # or None
     for step in range(first_step, cfg.steps + 1):
       ...
-      logger.log(step, {"reward": r, "rej_rate": m, "ppl_gap": g, "B*": b})
+      logger.log(step, {"reward": r, "trm/reject_rate": m, "trm/ppl_gap": g})
     logger.close()
 
   `log` calls float() on every value (so a jax scalar is pulled to host there); steps must
@@ -148,7 +153,7 @@ class MetricsLogger:
     if step <= self._last_step:
       raise ValueError(f"MetricsLogger.log step={step} is not after the last logged (or "
                        f"resumed) step {self._last_step}")
-    clash = [k for k in metrics if k in _RESERVED]
+    clash = [k for k in metrics if k in RESERVED_KEYS]
     if clash:
       raise ValueError(f"metric names {clash} are reserved for the JSON record")
     values = {k: _finite_or_none(k, v) for k, v in metrics.items()}
@@ -224,7 +229,7 @@ def plot_curves(metrics_jsonl_path: str, out_png: str,
   records = read_metrics(metrics_jsonl_path)
   present = [k for k in keys if any(k in r for r in records)]
   if not present:
-    available = sorted({k for r in records for k in r} - set(_RESERVED))
+    available = sorted({k for r in records for k in r} - set(RESERVED_KEYS))
     raise ValueError(f"{metrics_jsonl_path} has none of the keys {list(keys)}; it has "
                      f"{available}")
   ncols = min(3, len(present))
@@ -269,7 +274,7 @@ def summarize(metrics_jsonl_path: str, key: str = "reward",
   k = math.ceil(len(values) / 10)
   first, last = values[:k], values[-k:]
   if final_keys is None:
-    final_keys = sorted({m for r in records for m in r} - set(_RESERVED))
+    final_keys = sorted({m for r in records for m in r} - set(RESERVED_KEYS))
   final = {}
   for m in final_keys:
     _, vals = series(records, m)

@@ -264,22 +264,3 @@ def opt_state_shardings(tx: optax.GradientTransformation, params, mesh: Mesh):
   replicated = NamedSharding(mesh, PartitionSpec())
   return optax.tree_map_params(tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params),
                                params, transform_non_params=lambda _: replicated)
-
-
-def mirror_shardings(abstract_tree, params, mesh: Mesh):
-  """Superseded by `opt_state_shardings`; kept while the trainer still calls it.
-
-  A leaf whose key path ends with a parameter's key path and has its shape gets that
-  parameter's sharding; anything else is replicated over `mesh`.
-  """
-  flat, _ = jax.tree_util.tree_flatten_with_path(params)
-  by_path = {jax.tree_util.keystr(p): (x.shape, x.sharding) for p, x in flat}
-  replicated = NamedSharding(mesh, PartitionSpec())
-
-  def one(path, leaf):
-    s = jax.tree_util.keystr(path)
-    for k, (shape, sharding) in by_path.items():
-      if s.endswith(k) and tuple(leaf.shape) == tuple(shape):
-        return sharding
-    return replicated
-  return jax.tree_util.tree_map_with_path(one, abstract_tree)

@@ -32,15 +32,18 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from trm_jax import config as config_lib
-from trm_jax.metrics import read_metrics, rolling_mean, series
+from trm_jax import workdir as wd
+from trm_jax.metrics import RESERVED_KEYS, read_metrics, rolling_mean, series
 
 PLAN = "sweep.json"
 RESULTS = "results.csv"
@@ -152,13 +155,6 @@ def is_done(workdir: str, cell: Cell) -> bool:
     return False
 
 
-def _write_json_atomic(path: str, obj) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2)
-  os.replace(tmp, path)
-
-
 def _check_plan(workdir: str, spec: str, cells: Sequence[Cell]) -> None:
   """Merges `cells` into WORKDIR/sweep.json; a cell name already planned differently fails."""
   path = os.path.join(workdir, PLAN)
@@ -179,7 +175,7 @@ def _check_plan(workdir: str, spec: str, cells: Sequence[Cell]) -> None:
       raise config_lib.ConfigError(
           f"cell {name!r} in {path} has overrides {old}, this sweep gives {ov}")
     plan["cells"][name] = ov
-  _write_json_atomic(path, plan)
+  wd.write_json_atomic(path, plan)
 
 
 def load_plan(workdir: str) -> tuple[str, list[Cell]]:
@@ -205,11 +201,35 @@ def _env(workdir: str, threads: Optional[int]) -> dict:
 def _launch(spec: str, cell: Cell, workdir: str, env: dict) -> subprocess.Popen:
   d = cell_dir(workdir, cell)
   os.makedirs(d, exist_ok=True)
-  _write_json_atomic(os.path.join(d, "cell.json"),
+  wd.write_json_atomic(os.path.join(d, "cell.json"),
                      {"config": spec, "overrides": [list(kv) for kv in cell.overrides]})
   log = open(os.path.join(d, "log.txt"), "a")
-  return subprocess.Popen([sys.executable, "-m", "trm_jax.sweep", "--run-cell", d],
+  return subprocess.Popen([sys.executable, "-m", "trm_jax.sweep", "--run-cell", d,
+                           "--parent-pid", str(os.getpid())],
                           stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+  """Ends this cell process when the sweep that launched it dies, however it dies.
+
+  A cell that outlived a SIGKILLed sweep would keep training while a rerun of the sweep
+  starts the same cell again (the workdir lock then refuses the second one, but the orphan
+  still finishes a run nobody is watching). Linux delivers SIGKILL on the parent's death
+  (PR_SET_PDEATHSIG); elsewhere a watchdog thread polls the parent pid.
+  """
+  if sys.platform.startswith("linux"):
+    import ctypes  # pylint: disable=g-import-not-at-top
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+  # Also covers the race where the parent died before prctl ran, and non-Linux systems.
+  def watch():
+    while os.getppid() == parent_pid:
+      time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+  if os.getppid() != parent_pid:
+    os.kill(os.getpid(), signal.SIGKILL)
+  threading.Thread(target=watch, daemon=True).start()
 
 
 def _ensure_base_models(spec: str, cells: Sequence[Cell]) -> None:
@@ -262,15 +282,23 @@ def run_sweep(spec: str, cells: Sequence[Cell], workdir: str, *, parallel: int =
   return rows
 
 
-def _run_cell(d: str) -> None:
+def _run_cell(d: str, parent_pid: Optional[int]) -> int:
+  if parent_pid is not None:
+    _die_with_parent(parent_pid)
   with open(os.path.join(d, "cell.json")) as f:
     spec = json.load(f)
   c = cell_config(spec["config"], [tuple(kv) for kv in spec["overrides"]])
   # As `python -m trm_jax.train` does: the trainer's progress (warm-up, resume) goes to the log.
+  # Configured before the trainer is imported (absl would install its own root handler).
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
   logging.getLogger("absl").setLevel(logging.WARNING)
-  from trm_jax import train
-  train.run(c, d, progress=False)
+  from trm_jax import train  # pylint: disable=g-import-not-at-top
+  try:
+    train.run(c, d, progress=False)
+  except train.USER_ERRORS as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  return 0
 
 
 # --- Aggregation -------------------------------------------------------------------------------
@@ -313,7 +341,7 @@ def cell_row(workdir: str, cell: Cell) -> dict:
     if e["first_step"] < e["last_step"]:
       row[f"eval_first/{k}"] = e["first"]
   records = read_metrics(os.path.join(d, "metrics.jsonl"))
-  keys = sorted({k for r in records for k in r if k not in ("step", "time")})
+  keys = sorted({k for r in records for k in r if k not in RESERVED_KEYS})
   for k in keys:
     vals = np.array([r[k] for r in records if isinstance(r.get(k), (int, float))], float)
     vals = vals[np.isfinite(vals)]
@@ -414,10 +442,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--plot", default="reward,trm/reject_rate,trm/ppl_gap",
                  help="comma-separated metrics for WORKDIR/curves.png")
   p.add_argument("--run-cell", help=argparse.SUPPRESS)
+  p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   if a.run_cell:
-    _run_cell(a.run_cell)
-    return 0
+    return _run_cell(a.run_cell, a.parent_pid)
   if not a.workdir:
     p.error("--workdir is required")
   try:

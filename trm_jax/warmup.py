@@ -15,12 +15,11 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from flax import nnx
 

@@ -12,7 +12,8 @@ Data flow for a rollout batch (ARCHITECTURE.md, "rl/learner"):
     (2) M recomputed from the current pi_theta (TRM's mask is a property of the policy pair,
         so after a first minibatch update it can change), stop-gradient
     (3) objective(logp_theta, logp_roll, A, M) + lambda * KL(teacher || masked)
-    (4) optax update, skipped exactly when the loss or a gradient is non-finite
+    (4) optax update, skipped exactly when the loss or a gradient is non-finite, or when
+        every sequence of the minibatch is masked (no signal; `learner/skipped`)
 
 Learner tracks by `mode` (the SMD paper's comparisons, `../shared/notes/smd-design.md`):
   "off" / "dense"  rollouts with a dense cache; the learner is dense (evicted_at ignored).
@@ -208,8 +209,13 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     params = jax.tree.map(keep, new_params, params)
     opt_state = jax.tree.map(keep, new_opt, opt_state)
     aux["learner/kept_seqs"] = aux["learner/kept_seqs"] * cfg.num_microbatches
+    # learner/skipped: no update reached the parameters, for either reason (each also
+    # counted on its own); the trainer stops a run whose updates are skipped step after step.
+    applied = ok & has_signal
     aux.update({"learner/loss": loss, "learner/grad_norm": grad_norm,
-                "learner/skipped": 1.0 - ok.astype(jnp.float32)})
+                "learner/skipped": 1.0 - applied.astype(jnp.float32),
+                "learner/skipped_nonfinite": 1.0 - ok.astype(jnp.float32),
+                "learner/skipped_all_masked": 1.0 - has_signal.astype(jnp.float32)})
     return params, opt_state, aux
 
   return score, update

@@ -1,0 +1,133 @@
+"""The workdir guards, through the real trainer CLI where a user meets them.
+
+  * a second trainer on a busy workdir is refused, naming the holder; the lock dies with its
+    process (SIGKILL leaves no stale lock);
+  * a workdir that is a file, or on a read-only filesystem, fails in one line naming the path;
+  * `config_changes` names exactly the keys that alter the trajectory.
+
+Every CLI case here fails before any model is built, so each costs one interpreter start.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trm_jax import workdir as wd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train_cli(workdir, *extra):
+  return subprocess.run(
+      [sys.executable, "-m", "trm_jax.train", "--config", "configs/tiny_trm.py", "--workdir",
+       workdir, "--config.total_steps=2", *extra],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def _last_line(p):
+  return p.stderr.strip().splitlines()[-1]
+
+
+def _hold_lock(workdir):
+  """A process holding the workdir lock until killed (what a running trainer holds)."""
+  code = ("import sys, time; from trm_jax.workdir import WorkdirLock; "
+          "lock = WorkdirLock(sys.argv[1]); print('locked', flush=True); time.sleep(600)")
+  proc = subprocess.Popen([sys.executable, "-c", code, workdir], cwd=ROOT,
+                          stdout=subprocess.PIPE, text=True)
+  assert proc.stdout.readline().strip() == "locked"
+  return proc
+
+
+def test_a_second_trainer_is_refused_naming_the_holder(tmp_path):
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  holder = _hold_lock(workdir)
+  try:
+    p = _train_cli(workdir)
+    assert p.returncode != 0
+    line = _last_line(p)
+    assert line.startswith(f"error: another trainer is running in {workdir} (pid {holder.pid} "
+                           "on "), line
+    assert "use another --workdir" in line
+    # Nothing of a run was written by the refused trainer.
+    assert sorted(os.listdir(workdir)) == [wd.LOCK_FILE]
+  finally:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+  # SIGKILL released the lock: no stale lock survives the holder.
+  lock = wd.WorkdirLock(workdir)
+  with open(os.path.join(workdir, wd.LOCK_FILE)) as f:
+    assert json.load(f)["pid"] == os.getpid()
+  lock.release()
+
+
+def test_lock_is_exclusive_within_one_process_too(tmp_path):
+  with wd.WorkdirLock(str(tmp_path)):
+    with pytest.raises(wd.WorkdirError, match=f"pid {os.getpid()} on "):
+      wd.WorkdirLock(str(tmp_path))
+  wd.WorkdirLock(str(tmp_path)).release()  # released on exit
+
+
+def test_workdir_that_is_a_file(tmp_path):
+  path = tmp_path / "a_file"
+  path.write_text("not a directory")
+  p = _train_cli(str(path))
+  assert p.returncode != 0
+  assert _last_line(p) == f"error: --workdir {path} is a file, not a directory"
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+  """A directory nobody can write to: a read-only tmpfs as root (root ignores mode bits),
+  mode 0o555 otherwise."""
+  path = tmp_path / "ro"
+  path.mkdir()
+  if os.geteuid() == 0:
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+      pytest.skip(f"root without mount permission here: {r.stderr.strip()}")
+    yield path
+    subprocess.run(["umount", str(path)], check=True)
+  else:
+    path.chmod(0o555)
+    yield path
+    path.chmod(0o755)
+
+
+def test_read_only_workdir(read_only_dir):
+  p = _train_cli(str(read_only_dir))
+  assert p.returncode != 0
+  assert _last_line(p) == (f"error: --workdir {read_only_dir} is not writable: "
+                           "Read-only file system" if os.geteuid() == 0 else
+                           f"error: --workdir {read_only_dir} is not writable: "
+                           "Permission denied")
+  p = _train_cli(str(read_only_dir / "sub"))
+  assert p.returncode != 0
+  assert _last_line(p).startswith(f"error: --workdir {read_only_dir / 'sub'} cannot be created")
+
+
+def test_config_changes_name_trajectory_keys_only():
+  old = {"seed": 0, "log_every": 1, "optim": {"lr": 3e-5, "b1": 0.9}, "mesh": {"data": -1},
+         "trm": {"criteria": ["trm_max_kl"]}, "eval_every": 50}
+  new = {"seed": 1, "log_every": 5, "optim": {"lr": 1e-4, "b1": 0.9}, "mesh": {"data": 2},
+         "trm": {"criteria": ("trm_max_kl", "ser")}, "eval_every": 10, "extra": 3}
+  changes = wd.config_changes(old, new)
+  assert changes == {"seed": (0, 1), "optim.lr": (3e-5, 1e-4),
+                     "trm.criteria": (["trm_max_kl"], ["trm_max_kl", "ser"]),
+                     "extra": (None, 3)}
+  assert wd.config_changes(old, old) == {}
+  # Tuples and lists are the same value (a config read back from JSON has lists).
+  assert wd.config_changes({"a": (1, 2)}, {"a": [1, 2]}) == {}
+  assert wd.describe({"optim.lr": (3e-5, 1e-4)}) == "optim.lr: 3e-05 -> 0.0001"
+
+
+def test_prepare_creates_and_probes(tmp_path):
+  path = wd.prepare(str(tmp_path / "new" / "dir"))
+  assert os.path.isdir(path) and os.listdir(path) == []
+  t0 = time.time()
+  assert wd.prepare(path) == path and time.time() - t0 < 5

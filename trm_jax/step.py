@@ -1,0 +1,349 @@
+"""The RL step: prompts -> rollout -> rewards -> score -> advantages -> updates.
+
+This is the function to edit for a new algorithm. `rl_step(ctx, state)` takes what the loop
+carries (`TrainState`: parameters, optimizer state, step, data position) and the settings built
+once per run (`RLContext`: the model's graph, the jitted learner, the task, the sampler's
+configuration), and returns the next state and the step's metrics. It is pure in the sense that
+matters for resume: everything it reads is in `state`, in `ctx` or a function of
+(seed, step), so a run restored from a checkpoint replays bitwise.
+
+    ctx = make_context(config, mesh, model, tokenizer, task)
+    state = initial_state(ctx, model)
+    state, metrics = rl_step(ctx, state)        # one rollout batch, its updates
+    held_out = evaluate(ctx, state.params)      # greedy / avg@k on fixed problems
+
+Who computes what (the TRM paper's setting: pi_roll != pi_theta):
+  (1) prompts at data position `state.data_pos` (a pure function of the seed and the index);
+  (2) rollout by the sampler: its own dtype, logit noise, router noise and KV cache (pi_roll);
+  (3) rewards from the decoded completions;
+  (4) learner `score`: pi_theta's log-probs of the sampled tokens, TRM's sequence mask and
+      monitors, Sparse-RL weights (no gradient);
+  (5) GRPO advantages per group (the baseline may use TRM's mask: `rl.baseline`);
+  (6) `update` per minibatch and epoch; an update with a non-finite loss or gradient, or with
+      every sequence masked, is skipped and counted in `learner/skipped`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+
+from trm_jax import sharding as shd
+from trm_jax.data import math_reward
+from trm_jax.data import summarize as eval_summary
+from trm_jax.rl import advantages as adv_lib
+from trm_jax.rl import optim
+from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
+from trm_jax.rollout import CacheConfig, generate
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+# ------------------------------------------------------------------------------------------
+# Settings derived from the config (static: part of the compiled programs)
+# ------------------------------------------------------------------------------------------
+def learner_config(c: ml_collections.ConfigDict, max_len: int) -> LearnerConfig:
+  r = c.rl
+  kwargs = {"ppo_clip": (("clip_eps_low", r.clip_eps_low), ("clip_eps_high", r.clip_eps_high),
+                         ("dual_clip_c", r.dual_clip_c)),
+            "tis": (("tis_cap", r.tis_cap),)}.get(r.objective, ())
+  thresholds = tuple((k, float(v)) for k, v in c.trm.items() if k != "criteria")
+  return LearnerConfig(objective=r.objective, loss_agg=r.loss_agg, objective_kwargs=kwargs,
+                       max_len=max_len, criteria=tuple(c.trm.criteria), thresholds=thresholds,
+                       mode=c.smd.mode, lam=float(c.smd.lam),
+                       num_microbatches=r.num_microbatches, chunk=r.chunk,
+                       attn_impl=c.model.attn_impl, temperature=float(c.rollout.temperature),
+                       kl_beta=float(c.rl.kl_beta))
+
+
+def cache_config(c: ml_collections.ConfigDict) -> CacheConfig:
+  cc = c.rollout.cache
+  if cc.policy == "none":
+    return CacheConfig()
+  budget = ({"capacity": cc.capacity} if cc.capacity else {"ratio": cc.ratio})
+  return CacheConfig(policy=cc.policy, window=cc.window, kernel=cc.kernel,
+                     recent_frac=cc.recent_frac, sinks=cc.sinks, **budget)
+
+
+def make_optimizer(c: ml_collections.ConfigDict):
+  """AdamW with warm-up and cosine decay over every optimizer step of the run."""
+  o = c.optim
+  n_updates = c.total_steps * c.rl.num_minibatches * c.rl.num_epochs
+  return optim.make_optimizer(lr=o.lr, warmup_steps=min(o.warmup_steps, n_updates - 1),
+                              total_steps=n_updates, weight_decay=o.weight_decay, b1=o.b1,
+                              b2=o.b2, eps=o.eps, clip_norm=o.clip_norm,
+                              min_lr_ratio=o.min_lr_ratio)
+
+
+# ------------------------------------------------------------------------------------------
+# What a run builds once, and what it carries from step to step
+# ------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RLContext:
+  """Built once per run; read, never written, by every step."""
+  c: ml_collections.ConfigDict
+  mesh: jax.sharding.Mesh
+  graphdef: nnx.GraphDef      # the policy's graph (learner dtype); params + rest complete it
+  rest: Any                   # non-parameter model state (nnx.split(model, nnx.Param, ...))
+  score: Any                  # jitted learner scoring pass (rl.learner.make_learner)
+  update: Any                 # jitted learner update (donates params and opt_state)
+  lcfg: LearnerConfig
+  cache: CacheConfig          # the sampler's KV cache and eviction policy
+  task: Any                   # trm_jax.data.task.Task: prompts, sizes, held-out problems
+  tok: Any                    # tokenizer (decodes completions for the reward)
+  rng: jax.Array              # the run's base key (a function of config.seed, replicated)
+  ref_params: Any = None      # frozen starting policy of the k3 KL penalty (rl.kl_beta > 0)
+
+
+@dataclasses.dataclass
+class TrainState:
+  """What the loop carries between steps; a checkpoint holds exactly this."""
+  params: Any                 # nnx.Param state, sharded by logical axes
+  opt_state: Any              # optax state, moments sharded like their parameters
+  step: int = 0               # RL steps done
+  data_pos: int = 0           # prompts consumed (index into the task's prompt stream)
+
+
+def init_learner_state(model: nnx.Module, tx, mesh: jax.sharding.Mesh):
+  """Splits a (sharded) model and creates its optimizer state on `mesh`.
+
+  Returns (graphdef, params, rest, opt_state, (param shardings, opt-state shardings)).
+  """
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  param_sh = jax.tree.map(lambda x: x.sharding, params)
+  opt_sh = shd.opt_state_shardings(tx, params, mesh)
+  opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+  return graphdef, params, rest, opt_state, (param_sh, opt_sh)
+
+
+def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: nnx.Module,
+                 tok, task) -> tuple[RLContext, TrainState]:
+  """Splits the model, builds optimizer and learner; returns the context and step-0 state.
+
+  AdamW's moments take their parameter's sharding, scalars (the schedule count) are
+  replicated; the learner's update returns its state with exactly these shardings.
+  """
+  tx = make_optimizer(c)
+  graphdef, params, rest, opt_state, state_sh = init_learner_state(model, tx, mesh)
+  lcfg = learner_config(c, max_len=task.max_new_tokens)
+  score, update = make_learner(graphdef, tx, lcfg, response_start=task.max_prompt_len,
+                               state_shardings=state_sh)
+  # Replicated on the mesh, made under jit: device_put cannot reach other processes' devices.
+  rng = jax.jit(lambda: jax.random.key(c.seed), out_shardings=NamedSharding(mesh, PartitionSpec()))()
+  ctx = RLContext(c=c, mesh=mesh, graphdef=graphdef, rest=rest, score=score, update=update,
+                  lcfg=lcfg, cache=cache_config(c), task=task, tok=tok, rng=rng,
+                  # The reference policy of the optional k3 KL penalty: the start, frozen.
+                  ref_params=jax.tree.map(jnp.copy, params) if lcfg.kl_beta > 0 else None)
+  return ctx, TrainState(params=params, opt_state=opt_state)
+
+
+# ------------------------------------------------------------------------------------------
+# The step
+# ------------------------------------------------------------------------------------------
+def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
+  """One rollout batch and its updates; returns (next state, metrics of this step)."""
+  c, task = ctx.c, ctx.task
+  t0 = time.time()
+  step = state.step + 1
+  k_roll, k_perm = jax.random.split(jax.random.fold_in(ctx.rng, step))
+  n_prompts = c.rl.batch_size // c.rl.group_size
+
+  # --- (1) prompts --------------------------------------------------------------------------
+  problems = task.batch(state.data_pos, n_prompts)
+  pb = task.prompts(problems, c.rl.group_size)
+
+  # --- (2) rollout: pi_roll (sampler dtype, noise, cache) ------------------------------------
+  ro = sample(ctx, state.params, pb, k_roll)
+  t_roll = time.time() - t0
+
+  # --- (3) rewards ---------------------------------------------------------------------------
+  rewards = rewards_of(ctx.tok, ro, problems, pb.problem_ids, task.max_prompt_len)
+
+  # --- (4) score: pi_theta on the rollout, TRM mask and monitors ------------------------------
+  resp = ro.response_mask.astype(jnp.float32)
+  batch = LearnerBatch(tokens=ro.tokens, segment_ids=ro.segment_ids, response_mask=resp,
+                       logp_roll=ro.logp, advantages=jnp.zeros(resp.shape[:1], jnp.float32),
+                       logp_old=ro.logp, token_weights=jnp.ones_like(resp),
+                       evicted_at=ro.evicted_at if ctx.lcfg.mode == "smd" else None,
+                       roll_logp_full=ro.full_logp, roll_topk_logp=ro.topk_logp,
+                       roll_topk_ids=ro.topk_ids)
+  batch = shd.put_batch(batch, ctx.mesh)
+  with oom_hints("learner score pass"):
+    logp_old, weights, seq_mask, metrics = ctx.score(state.params, ctx.rest, batch)
+  batch = batch.replace(logp_old=logp_old, token_weights=weights)
+  if ctx.ref_params is not None:
+    batch = batch.replace(logp_ref=ctx.score(ctx.ref_params, ctx.rest, batch)[0])
+  if ctx.lcfg.mode == "sparse_rl":
+    # Sparse-RL's weights already carry the dense/sparse correction: the surrogate's ratio
+    # is then taken against the dense learner's own log-probs, not the sparse sampler's.
+    batch = batch.replace(logp_roll=logp_old)
+
+  # --- (5) advantages: GRPO, per group of rl.group_size rollouts of one prompt ---------------
+  adv = adv_lib.group_advantages(jnp.asarray(rewards), group_size=c.rl.group_size,
+                                 normalize_std=c.rl.normalize_std, seq_mask=seq_mask,
+                                 baseline=c.rl.baseline)
+  if step == c.debug.nan_step:
+    adv = jnp.full_like(adv, jnp.nan)  # fault injection: the loss and every gradient are NaN
+  batch = batch.replace(advantages=shd.put_batch(adv, ctx.mesh))
+
+  # --- (6) updates: rl.num_epochs passes of rl.num_minibatches minibatches -------------------
+  params, opt_state = state.params, state.opt_state
+  mb_size = c.rl.batch_size // c.rl.num_minibatches
+  upd = []
+  for epoch in range(c.rl.num_epochs):
+    perm = jax.random.permutation(jax.random.fold_in(k_perm, epoch), c.rl.batch_size)
+    for i in range(c.rl.num_minibatches):
+      idx = perm[i * mb_size:(i + 1) * mb_size]
+      mb = shd.put_batch(jax.tree.map(lambda x: x[idx], batch), ctx.mesh)
+      with oom_hints("learner update"):
+        params, opt_state, aux = ctx.update(params, opt_state, ctx.rest, mb)
+      upd.append(aux)
+
+  # --- metrics --------------------------------------------------------------------------------
+  metrics = {k: float(v) for k, v in metrics.items()}
+  for k in upd[0]:
+    metrics[k] = float(np.mean([float(a[k]) for a in upd]))
+  n_tok = float(jnp.sum(resp))
+  dt = time.time() - t0
+  metrics.update({"reward": float(rewards.mean()), "accuracy": float((rewards > 0.5).mean()),
+                  "response_len": n_tok / rewards.shape[0],
+                  "rollout/cache_bytes": float(ro.stats.cache_bytes),
+                  "time/rollout_s": t_roll, "time/step_s": dt,
+                  "throughput/tokens_per_s": n_tok / max(dt, 1e-9)})
+  return TrainState(params=params, opt_state=opt_state, step=step,
+                    data_pos=state.data_pos + n_prompts), metrics
+
+
+def sample(ctx: RLContext, params, pb, key: jax.Array, *, cache: Optional[CacheConfig] = None,
+           n_greedy: bool = False, eval_mode: bool = False):
+  """Rollouts of a prompt batch with the config's sampler settings (pi_roll).
+
+  `eval_mode` samples as the held-out evaluation does: learner dtype, no mismatch noise,
+  `eval_temperature` / `eval_top_p`, greedy when `n_greedy`.
+  """
+  c = ctx.c
+  model = nnx.merge(ctx.graphdef, params, ctx.rest)
+  if eval_mode:
+    kw = dict(greedy=n_greedy, temperature=c.eval_temperature, top_p=c.eval_top_p)
+  else:
+    r = c.rollout
+    kw = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+              keep_full_logprobs=r.keep_full_logprobs, keep_topk_logprobs=r.keep_topk_logprobs,
+              compute_dtype=DTYPES[r.dtype], logit_noise=r.logit_noise,
+              router_noise_scale=r.router_noise, attn_impl=c.model.attn_impl)
+  # Lengths stay on the host: the sampler checks them there (and a [B] vector is cheap).
+  with oom_hints("rollout"):
+    return generate(model, shd.put_batch(pb.tokens, ctx.mesh), pb.lengths,
+                    max_new_tokens=ctx.task.max_new_tokens, key=key,
+                    cache=ctx.cache if cache is None else cache, **kw)
+
+
+def evaluate(ctx: RLContext, params) -> dict:
+  """Held-out evaluation in the learner dtype, with the dense cache and, when the rollouts
+  are compressed, also with the rollout's cache policy (keys prefixed `compressed_`).
+
+  Always greedy accuracy; with eval_samples = k > 1 also k samples per problem at
+  eval_temperature and eval_top_p -> avg@k and unbiased pass@k (Chen et al. 2021) for k in
+  {1, k}. At the rollout's temperature and top-p (the tiny configs' defaults), avg@k is what
+  the training reward estimates, on fixed problems: the per-step reward mixes the policy's
+  change with the difficulty of that step's few prompts. The sampling key is the same at
+  every evaluation, so two evaluations differ only by the policy. The compressed figure is
+  the one a KV-compressed deployment sees, which SMD trains for (the dense one is what the
+  dense learner baselines train for).
+  """
+  c, task = ctx.c, ctx.task
+  problems = task.eval_problems(c.eval_problems)
+  k = c.eval_samples
+  caches = {"": CacheConfig()}
+  if c.rollout.cache.policy != "none":
+    caches["compressed_"] = ctx.cache
+  out = {}
+  for prefix, cache in caches.items():
+    for n in (1, k) if k > 1 else (1,):
+      pb = task.prompts(problems, n)
+      ro = sample(ctx, params, pb, jax.random.key(c.seed + 3), cache=cache,
+                  n_greedy=n == 1, eval_mode=True)
+      correct = rewards_of(ctx.tok, ro, problems, pb.problem_ids, task.max_prompt_len) > 0.5
+      if n == 1:
+        out[prefix + "greedy_accuracy"] = float(correct.mean())
+      else:
+        out.update({prefix + key: float(v) for key, v in
+                    eval_summary(correct.reshape(len(problems), n), ks=(1, n)).items()})
+  return out
+
+
+# ------------------------------------------------------------------------------------------
+# Helpers
+# ------------------------------------------------------------------------------------------
+def host(x: jax.Array) -> np.ndarray:
+  """The full value of a (possibly multi-process) global array on this host."""
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def rewards_of(tok, rollout, problems, problem_ids, P: int) -> np.ndarray:
+  """[B] float32 reward of each decoded completion against its problem's answer.
+
+  Every process scores every row (cheap, and all then hold the same advantages without a
+  collective)."""
+  tokens = host(rollout.tokens)[:, P:]
+  mask = host(rollout.response_mask)[:, P:] > 0
+  out = np.zeros(tokens.shape[0], np.float32)
+  for b in range(tokens.shape[0]):
+    text = tok.decode(tokens[b][mask[b]].tolist())
+    out[b] = math_reward(text, problems[problem_ids[b]].answer)
+  return out
+
+
+OOM_KNOBS = ("rl.num_microbatches (raise it: smaller microbatches, same update)",
+             "rl.chunk (lower it: fewer positions per vocabulary projection)",
+             "model.remat=True (recompute block activations in the backward pass)",
+             "task.max_new_tokens (shorter rollouts)",
+             "rl.batch_size, or a larger mesh.fsdp to shard parameters and optimizer state")
+
+
+class OutOfMemoryError(MemoryError):
+  """XLA ran out of device memory; the message names the config knobs that lower it."""
+
+
+@contextlib.contextmanager
+def oom_hints(stage: str):
+  """Re-raises XLA RESOURCE_EXHAUSTED errors inside the block with the knobs to lower."""
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise OutOfMemoryError(
+        f"out of device memory in the {stage}. Knobs that lower memory:\n  " +
+        "\n  ".join(OOM_KNOBS) + f"\n(XLA: {str(e).splitlines()[0]})") from e
+
+
+def warn_truncation(c: ml_collections.ConfigDict) -> None:
+  """The learner scores the untruncated pi_theta, so a sampler nucleus / top-k cut is mismatch
+  that TRM measures: per token up to -log(top_p) nats of KL(pi_roll || pi_theta) from top-p
+  alone. Say so whenever TRM is on with a truncating sampler (whether a given threshold is
+  reached depends on each step's distributions)."""
+  r = c.rollout
+  if not c.trm.criteria or (r.top_p >= 1.0 and r.top_k <= 0):
+    return
+  cut = f"top_p={r.top_p} (up to {-math.log(r.top_p):.3g} nats per token)" if r.top_p < 1 \
+      else f"top_k={r.top_k}"
+  log.warning("rollout.%s truncates pi_roll; the learner scores the untruncated pi_theta, "
+              "so TRM (trm.criteria=%s, trm.delta=%s) counts the truncation as mismatch and "
+              "may reject sequences for it. Train with rollout.top_p=1.0, rollout.top_k=0 and "
+              "set eval_top_p for evaluation.", cut, tuple(c.trm.criteria), c.trm.delta)
