@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,8 @@ from trm_jax.data import summarize as eval_summary
 from trm_jax.rl import advantages as adv_lib
 from trm_jax.rl import optim
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
-from trm_jax.rollout import CacheConfig, generate
+from trm_jax.rollout import (CacheConfig, SamplingConfig, generate_from_state, sampler_graphdef,
+                             sampling_config)
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class RLContext:
   score: Any                  # jitted learner scoring pass (rl.learner.make_learner)
   update: Any                 # jitted learner update (donates params and opt_state)
   lcfg: LearnerConfig
+  roll_graphdef: nnx.GraphDef  # the policy's graph in the sampler's dtype (rollout.dtype)
+  roll: SamplingConfig        # how training rollouts sample (pi_roll: noise, truncation, ...)
   cache: CacheConfig          # the sampler's KV cache and eviction policy
   task: Any                   # trm_jax.data.task.Task: prompts, sizes, held-out problems
   tok: Any                    # tokenizer (decodes completions for the reward)
@@ -143,8 +146,15 @@ def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: n
                                state_shardings=state_sh)
   # Replicated on the mesh, made under jit: device_put cannot reach other processes' devices.
   rng = jax.jit(lambda: jax.random.key(c.seed), out_shardings=NamedSharding(mesh, PartitionSpec()))()
+  r = c.rollout
+  roll = sampling_config(
+      model.config, max_new_tokens=task.max_new_tokens, temperature=r.temperature,
+      top_p=r.top_p, top_k=r.top_k, keep_full_logprobs=r.keep_full_logprobs,
+      keep_topk_logprobs=r.keep_topk_logprobs, logit_noise=r.logit_noise,
+      router_noise_scale=r.router_noise)
   ctx = RLContext(c=c, mesh=mesh, graphdef=graphdef, rest=rest, score=score, update=update,
-                  lcfg=lcfg, cache=cache_config(c), task=task, tok=tok, rng=rng,
+                  lcfg=lcfg, roll_graphdef=sampler_graphdef(model, DTYPES[r.dtype]),
+                  roll=roll, cache=cache_config(c), task=task, tok=tok, rng=rng,
                   # The reference policy of the optional k3 KL penalty: the start, frozen.
                   ref_params=jax.tree.map(jnp.copy, params) if lcfg.kl_beta > 0 else None)
   return ctx, TrainState(params=params, opt_state=opt_state)
@@ -227,28 +237,15 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
                     data_pos=state.data_pos + n_prompts), metrics
 
 
-def sample(ctx: RLContext, params, pb, key: jax.Array, *, cache: Optional[CacheConfig] = None,
-           n_greedy: bool = False, eval_mode: bool = False):
-  """Rollouts of a prompt batch with the config's sampler settings (pi_roll).
-
-  `eval_mode` samples as the held-out evaluation does: learner dtype, no mismatch noise,
-  `eval_temperature` / `eval_top_p`, greedy when `n_greedy`.
-  """
-  c = ctx.c
-  model = nnx.merge(ctx.graphdef, params, ctx.rest)
-  if eval_mode:
-    kw = dict(greedy=n_greedy, temperature=c.eval_temperature, top_p=c.eval_top_p)
-  else:
-    r = c.rollout
-    kw = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-              keep_full_logprobs=r.keep_full_logprobs, keep_topk_logprobs=r.keep_topk_logprobs,
-              compute_dtype=DTYPES[r.dtype], logit_noise=r.logit_noise,
-              router_noise_scale=r.router_noise, attn_impl=c.model.attn_impl)
+def sample(ctx: RLContext, params, pb, key: jax.Array):
+  """Training rollouts of a prompt batch: pi_roll (the sampler's dtype, noise, truncation and
+  KV cache)."""
+  state = nnx.merge_state(params, ctx.rest)
   # Lengths stay on the host: the sampler checks them there (and a [B] vector is cheap).
   with oom_hints("rollout"):
-    return generate(model, shd.put_batch(pb.tokens, ctx.mesh), pb.lengths,
-                    max_new_tokens=ctx.task.max_new_tokens, key=key,
-                    cache=ctx.cache if cache is None else cache, **kw)
+    return generate_from_state(ctx.roll_graphdef, state, shd.put_batch(pb.tokens, ctx.mesh),
+                               pb.lengths, key=key, sampling_config=ctx.roll,
+                               cache_config=ctx.cache, attn_impl=ctx.c.model.attn_impl)
 
 
 def evaluate(ctx: RLContext, params) -> dict:
@@ -270,12 +267,18 @@ def evaluate(ctx: RLContext, params) -> dict:
   caches = {"": CacheConfig()}
   if c.rollout.cache.policy != "none":
     caches["compressed_"] = ctx.cache
+  state = nnx.merge_state(params, ctx.rest)
   out = {}
   for prefix, cache in caches.items():
     for n in (1, k) if k > 1 else (1,):
       pb = task.prompts(problems, n)
-      ro = sample(ctx, params, pb, jax.random.key(c.seed + 3), cache=cache,
-                  n_greedy=n == 1, eval_mode=True)
+      scfg = dataclasses.replace(ctx.roll, greedy=n == 1, temperature=c.eval_temperature,
+                                 top_p=c.eval_top_p, top_k=0, logit_noise=0.0,
+                                 router_noise_scale=0.0, keep_full_logprobs=False,
+                                 keep_topk_logprobs=0)
+      ro = generate_from_state(ctx.graphdef, state, shd.put_batch(pb.tokens, ctx.mesh),
+                               pb.lengths, key=jax.random.key(c.seed + 3),
+                               sampling_config=scfg, cache_config=cache)
       correct = rewards_of(ctx.tok, ro, problems, pb.problem_ids, task.max_prompt_len) > 0.5
       if n == 1:
         out[prefix + "greedy_accuracy"] = float(correct.mean())

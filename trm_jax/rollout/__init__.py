@@ -6,10 +6,11 @@ rollout's `evicted_at` [B, L, K, T] replays the sampler's attention in the learn
 """
 from trm_jax.rollout.cache import num_slots
 from trm_jax.rollout.eviction import CacheEviction
-from trm_jax.rollout.sampler import DecodeState, generate, generate_from_state, run_phase
+from trm_jax.rollout.sampler import (DecodeState, generate, generate_from_state, run_phase,
+                                     sampler_graphdef, sampling_config)
 from trm_jax.rollout.sampling import sampled_logprobs, token_logprobs
 from trm_jax.rollout.types import CacheConfig, Rollout, RolloutStats, SamplingConfig
 
 __all__ = ["CacheConfig", "CacheEviction", "DecodeState", "Rollout", "RolloutStats",
            "SamplingConfig", "generate", "generate_from_state", "num_slots", "run_phase",
-           "sampled_logprobs", "token_logprobs"]
+           "sampled_logprobs", "sampler_graphdef", "sampling_config", "token_logprobs"]

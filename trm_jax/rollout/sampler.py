@@ -95,30 +95,47 @@ def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax
   Returns:
     `Rollout`.
   """
-  cfg = model.config
-  if eos_ids is None:
-    e = cfg.eos_token_id
-    eos_ids = () if e is None else ((e,) if isinstance(e, int) else tuple(e))
-  if pad_id is None:
-    p = cfg.pad_token_id
-    pad_id = 0 if p is None else (p if isinstance(p, int) else p[0])
-  scfg = SamplingConfig(
-      max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-      greedy=greedy, eos_ids=tuple(eos_ids), pad_id=pad_id,
+  scfg = sampling_config(
+      model.config, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+      top_k=top_k, greedy=greedy, eos_ids=eos_ids, pad_id=pad_id,
       keep_topk_logprobs=keep_topk_logprobs, keep_full_logprobs=keep_full_logprobs,
       logit_noise=logit_noise, router_noise_scale=router_noise_scale)
   graphdef, state = nnx.split(model)
-  if compute_dtype is not None:
-    graphdef = _graphdef_with_dtype(type(model), cfg, jnp.dtype(compute_dtype).name)
-  return generate_from_state(graphdef, state, prompt_ids, prompt_lengths, key=key,
-                             sampling_config=scfg, cache_config=cache, attn_impl=attn_impl)
+  return generate_from_state(sampler_graphdef(model, compute_dtype), state, prompt_ids,
+                             prompt_lengths, key=key, sampling_config=scfg, cache_config=cache,
+                             attn_impl=attn_impl)
+
+
+def sampling_config(model_config, *, eos_ids: Optional[Sequence[int]] = None,
+                    pad_id: Optional[int] = None, **kwargs) -> SamplingConfig:
+  """A `SamplingConfig` whose stop and pad ids default to the model config's (`generate`'s
+  defaults, for callers of `generate_from_state`)."""
+  if eos_ids is None:
+    e = model_config.eos_token_id
+    eos_ids = () if e is None else ((e,) if isinstance(e, int) else tuple(e))
+  if pad_id is None:
+    p = model_config.pad_token_id
+    pad_id = 0 if p is None else (p if isinstance(p, int) else p[0])
+  return SamplingConfig(eos_ids=tuple(eos_ids), pad_id=pad_id, **kwargs)
+
+
+def sampler_graphdef(model, compute_dtype=None) -> nnx.GraphDef:
+  """The graph `generate_from_state` runs: the model's own, or the same model computing in
+  `compute_dtype` (same state layout, so the model's parameters plug in unchanged)."""
+  if compute_dtype is None:
+    return nnx.graphdef(model)
+  return _graphdef_with_dtype(type(model), model.config, jnp.dtype(compute_dtype).name)
 
 
 def generate_from_state(graphdef, state, prompt_ids, prompt_lengths, *, key: jax.Array,
                         sampling_config: SamplingConfig,
                         cache_config: CacheConfig = CacheConfig(),
                         attn_impl: str = "auto") -> Rollout:
-  """`generate` for callers that already hold `nnx.split(model)` (training loops)."""
+  """`generate` for callers that already hold the model's graph and state (training loops).
+
+  `graphdef` from `sampler_graphdef`, `state` the model's whole state (`nnx.split(model)[1]`,
+  or `nnx.merge_state(params, rest)`), `sampling_config` from `sampling_config`.
+  """
   prompt_ids = jnp.asarray(prompt_ids)
   prompt_lengths = jnp.asarray(prompt_lengths)
   if prompt_ids.ndim != 2 or not jnp.issubdtype(prompt_ids.dtype, jnp.integer):
