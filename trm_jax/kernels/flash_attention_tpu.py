@@ -14,18 +14,31 @@ softmax, row logsumexp saved for the backward, which recomputes probabilities in
 dk/dv (grid over key blocks) and dq (grid over query blocks), tied with `jax.custom_vjp`.
 
 TPU layout, and why:
-  * q/o are viewed as [B, T, N*Hp] and k/v as [B, T, K*Hp] (free reshapes of [B, T, N, Hp]);
-    a q block is (block_q, G*Hp): all G query heads of one kv head, so each k/v tile is fetched
-    once per group rather than once per query head, and dk/dv accumulate the group's heads in
-    VMEM (no per-query-head fp32 dk/dv in HBM, unlike the Triton kernel). Hp is H rounded up to
-    128 (lanes); zero columns change neither q.k nor the output.
+  * q/o are viewed as [B, T, N*Hp] and k/v as [B, T, K*Hp]. A q block is (block_q, Gs*Hp):
+    Gs query heads of one kv head (Gs = G unless VMEM forces head chunks, below), so each k/v
+    tile is fetched once per group (chunk) rather than once per query head, the visibility
+    tile is computed once for those heads, and dk/dv accumulate the whole group in VMEM (no
+    per-query-head fp32 dk/dv in HBM, unlike the Triton kernel). Hp is H rounded up to 128
+    lanes; zero columns change neither q.k nor the output (H = 64 costs a padded copy).
+    Under TPU tiled layouts [B, T, N, H] <-> [B, T, N*H] is not a bitcast: XLA inserts
+    relayout copies (linear in T) wherever a neighbour wants the [B, T, N, H] tiling. A
+    Qwen3-8B-shaped layer (projections, RoPE-like scaling, this kernel, output projection;
+    grad w.r.t. x and Wq) compiled for v5e at T=8192 has 275 MiB of HBM temporaries, 160 MiB
+    of them relayout copies of q, k, v and one more [T, N, H] array.
   * Side vectors are rows in HBM: segment ids [B, 1, T], evicted_at [B, K, 1, T], logsumexp
     and delta [B, N, 1, T] (the size-1 axis makes a (1, block) tile legal). A kernel that needs
     one as a column (query side in the forward/dq orientation [bq, bk], key side in the dk/dv
     orientation [bk, bq]) expands it in VMEM; dk/dv work on transposed scores s^T = k q^T so
-    logsumexp and delta broadcast as rows there.
-  * Grids are (B, K, outer block, inner block) with the inner axis "arbitrary" and fp32
-    accumulators in VMEM scratch; tiles are (block, 128k), block a power of two >= 128.
+    logsumexp and delta broadcast as rows there. delta = rowsum(dO * O) is computed by the dq
+    kernel (which runs first) at its first key step, so the fp32 product never reaches HBM.
+  * Grids: forward and dq (B, K*C, query blocks, key blocks); dk/dv (B, K, key blocks, C,
+    query blocks); the last axes are "arbitrary" with fp32 accumulators in VMEM scratch, the
+    others "parallel" (megacore). C = G / Gs head chunks.
+  * VMEM: a step holds Gs * block_q query rows (q, o, dO tiles, accumulators, lane-replicated
+    softmax statistics). AOT compiles for v5e (16 MiB default scoped VMEM) fit 2048 rows in
+    the forward and 4096 (bf16) / 2048 (fp32) in the dq kernel; `_plan` halves block_q down to
+    128 and then splits the group into chunks to stay inside (scaled by vmem_limit_bytes when
+    given). Qwen3-8B (G=4) keeps the default blocks and whole groups; G=32 runs two chunks.
   * T is padded to a multiple of the largest block; padded positions get segment id 0, so
     they are invisible like any padding, and padded query rows are sliced off.
 
@@ -41,18 +54,28 @@ before the first / after the last computed block re-use a tile already in VMEM a
 DMA (this covers the causal upper triangle, left padding, and fully evicted leading blocks
 in the dk/dv kernel's query loop). Skipped blocks *between* two computed ones (an evicted band
 with a kept sink block before it) are still fetched but not computed: a fetch table exact for
-holes would take O(nq * nk) SMEM.
+holes would take O(nq * nk) SMEM. SMEM holds O(B * K * T / block) words (B = 256, K = 8,
+T = 4096 compiles for v5p).
 
 Fully masked rows (padding, or every key evicted) give exact zeros, logsumexp -inf, and zero
 gradients: probabilities are zeroed with `where(visible, ., 0)` and the row sum is guarded.
 
 Runs on CPU through the Mosaic TPU interpreter (`interpret=True`, tests); on TPU it compiles
-through Mosaic. Ahead-of-time compiles for real chips without a TPU (libtpu's compiler, see
-bench/tpu_kernel_aot.py and bench/results/tpu_kernel_aot.json), jax 0.10.2 / libtpu 0.0.42.1,
-default blocks, B=1, N=32, K=8, H=128 (Qwen3-8B), bf16, per-chip temp bytes of forward +
-backward; the reference (dense [B, K, G, T, T] logits) for comparison:
+through Mosaic. Not yet run on a TPU: it is checked by the interpreter (numerics) and by
+ahead-of-time compiles for real chips through libtpu's XLA:TPU and Mosaic compilers
+(`tpu_aot.py`, bench/tpu_kernel_aot.py, bench/results/tpu_kernel_aot.json; jax 0.10.2, libtpu
+0.0.42.1). Per-chip HBM temporaries (memory_analysis), Qwen3-8B attention shape B=1, N=32,
+K=8, H=128, bf16, segment ids + evicted_at, default blocks; "fwd+bwd" is a vjp whose output
+and input cotangents are program outputs; XLA keeps small temporaries (logsumexp, delta) in
+VMEM on v5e/v6e, where they are not counted:
 
-    (filled in from bench/results/tpu_kernel_aot.json; see the end of this docstring)
+    chip  T       kernel fwd  kernel fwd+bwd  reference fwd         reference fwd+bwd
+    v5e   8192    1.2 MiB     0               8.5 GiB               14.5 GiB
+    v5e   32768   4.2 MiB     0               OOM (137 > 15.8 GiB)  OOM (233 > 15.8 GiB)
+    v5p   8192    1.5 MiB     2.9 MiB         8.5 GiB               18.6 GiB
+    v5p   32768   5.3 MiB     9.6 MiB         OOM (137 > 95.7 GiB)  OOM (242 > 95.7 GiB)
+    v6e   8192    1.2 MiB     0               8.5 GiB               16.6 GiB
+    v6e   32768   4.2 MiB     0               OOM (137 > 31.3 GiB)  OOM (202 > 31.3 GiB)
 """
 from __future__ import annotations
 
