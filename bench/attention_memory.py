@@ -17,7 +17,7 @@ operands; the numbers are therefore XLA's buffers for that loop, not Triton's SR
 the kernel keeps in HBM (inputs are arguments; residuals o, lse; per-query-head dk/dv in fp32;
 delta) so a hidden [T, T] buffer would show up as a gap growing like T^2.
 
-  python bench/attention_memory.py [--out bench/results/attention_memory.json]
+  python -m bench.attention_memory [--out bench/results/attention_memory.json]
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 Run from the repository root on a CUDA machine (one H200 is the target; < 4 minutes):
 
   # pip install -U "jax[cuda12]==<the repo's jax version, 0.10.2>" flax   # if jax lacks CUDA
-  python bench/gpu_kernel_check.py                    # writes $OUT/gpu_kernel_check.json
-  python bench/gpu_kernel_check.py results.json       # or to an explicit path
-  python bench/gpu_kernel_check.py --interpret        # CPU smoke test at tiny sizes
+  python -m bench.gpu_kernel_check                    # writes $OUT/gpu_kernel_check.json
+  python -m bench.gpu_kernel_check results.json       # or to an explicit path
+  python -m bench.gpu_kernel_check --interpret        # CPU smoke test at tiny sizes
 
 Sections of the JSON:
   checks   per configuration: the kernel's forward output and (dq, dk, dv) for a random
@@ -31,15 +31,13 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from trm_jax.kernels.attention_ref import attention_reference  # noqa: E402
-from trm_jax.kernels.flash_attention import BlockSizes, flash_attention  # noqa: E402
-from trm_jax.kernels.visibility import NEVER_EVICTED, LayerVisibility  # noqa: E402
+from trm_jax.kernels.attention_ref import attention_reference
+from trm_jax.kernels.flash_attention import BlockSizes, flash_attention
+from trm_jax.kernels.visibility import NEVER_EVICTED, LayerVisibility
 
 # (name, B, T, N, K, H, dtype, padding, eviction, BlockSizes); tolerances below by dtype.
 FULL_CHECKS = [

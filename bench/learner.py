@@ -26,7 +26,7 @@ Two measurements of `trm_jax.rl.learner.make_learner(...)`'s `update`, side by s
            (masked track only, to split the overhead). Calls are interleaved so that machine
            load affects every variant alike.
 
-  python bench/learner.py [--quick] [--out bench/results/learner.json]
+  python -m bench.learner [--quick] [--out bench/results/learner.json]
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 

@@ -1,7 +1,7 @@
 """Rollout throughput: our sampler vs transformers `generate`, and SnapKV vs dense at long prompts.
 
-  /work/venv/bin/python bench/rollout.py            # full run, writes bench/results/rollout.json
-  /work/venv/bin/python bench/rollout.py --quick    # fewer tokens / repeats, a shorter long prompt
+  python -m bench.rollout            # full run, writes bench/results/rollout.json
+  python -m bench.rollout --quick    # fewer tokens / repeats, a shorter long prompt
 
 One random Qwen3 checkpoint is written by transformers' `save_pretrained` and loaded by both
 sides, so both run the same weights. Measurements are interleaved (ours, theirs, ours, ...) and

@@ -19,7 +19,7 @@ memory per device and the fact that every layout compiles and runs. The step is 
 outside `jax.set_mesh`, i.e. without the decoder's block-boundary activation constraints that
 the trainer turns on: the layout inside the step is XLA's propagation from the inputs.
 
-  python bench/scaling.py [--out bench/results/scaling.json] [--counts 1,2,4,8]
+  python -m bench.scaling [--out bench/results/scaling.json] [--counts 1,2,4,8]
 """
 from __future__ import annotations
 

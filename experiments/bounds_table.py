@@ -1,6 +1,6 @@
 """Table 1 of the TRM paper from `compute_bounds`, and every bound against T on log-log axes.
 
-  MPLBACKEND=Agg python experiments/bounds_table.py [--out experiments/out/bounds_vs_T.png]
+  MPLBACKEND=Agg python -m experiments.bounds_table [--out experiments/out/bounds_vs_T.png]
 
 Setting (paper Table 1): delta = 1e-4, D_KL^seq = 0.01. "KL+TV" adds eps = 5e-3 and
 D_TV^seq = 0.05; "KL-only" derives both from Pinsker (`pinsker_fill`). The adaptive row uses

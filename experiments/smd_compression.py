@@ -1,9 +1,9 @@
 r"""SMD paper, small scale: RL from KV-compressed rollouts, dense vs naive vs Sparse-RL vs SMD.
 
-  python experiments/smd_compression.py                    # default grid, 1 seed
-  python experiments/smd_compression.py --policies snapkv --ratios 0.5 --steps 10
+  python -m experiments.smd_compression                    # default grid, 1 seed
+  python -m experiments.smd_compression --policies snapkv --ratios 0.5 --steps 10
 
-Every run starts from the tiny dense base model of `configs/tiny_smd.py` and trains with GRPO
+Every run starts from the tiny dense base model of `trm_jax/configs/tiny_smd.py` and trains with GRPO
 on the synthetic task. The rollout keeps a compressed KV cache (a fraction `ratio` of each
 sequence's keys evicted by SnapKV / H2O / recent+sinks / random); the learner is one of
 
@@ -38,14 +38,12 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import report  # pylint: disable=g-import-not-at-top
-
+from experiments import report
 from trm_jax import sweep
 from trm_jax.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(REPO, "configs", "tiny_smd.py")
+CONFIG = os.path.join(REPO, "trm_jax", "configs", "tiny_smd.py")
 POLICIES = ("snapkv", "h2o", "recent", "random")
 DENSE = {"smd.mode": "dense", "rollout.cache.policy": "none", "rollout.cache.ratio": 0.0}
 
@@ -217,7 +215,7 @@ def write_summary(out: str, stats: dict, methods, lambdas, memory: dict, args,
   text = "\n\n".join([
       "# SMD under KV-cache compression",
       f"{len(stats)} settings x {n_seeds} seed(s), {args.steps} RL steps each, lr {args.lr}; "
-      f"config `configs/tiny_smd.py`, TRM masking off. Training span {wall_s / 60:.1f} min "
+      f"config `trm_jax/configs/tiny_smd.py`, TRM masking off. Training span {wall_s / 60:.1f} min "
       "(first step to the end of the last, which carries the final evaluation; 2 runs at a "
       "time; start-up and the base-model warm-up extra).",
       "## Training reward on the (compressed) rollouts, last 10 % of steps",

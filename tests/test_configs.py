@@ -18,7 +18,8 @@ from trm_jax.rl.learner import LearnerBatch, make_learner
 from trm_jax import step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
+CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "trm_jax", "configs"))
+                 if f.endswith(".py") and f != "__init__.py")
 
 # The published config.json architecture fields of the checkpoints the large configs name.
 QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096,
@@ -32,7 +33,7 @@ QWEN3_4B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2560,
 
 
 def _load(name):
-  return config_lib.load_config(os.path.join(ROOT, "configs", name))
+  return config_lib.load_config(os.path.join(ROOT, "trm_jax", "configs", name))
 
 
 def _with_data_paths(c):
@@ -96,7 +97,7 @@ def test_paper_configs_trace_with_abstract_shapes(name, hf):
 def _cli(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "trm_jax.train", "--config",
-                         os.path.join(ROOT, "configs", "tiny_trm.py"), *args],
+                         os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py"), *args],
                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-import report  # pylint: disable=g-import-not-at-top,wrong-import-position
+from experiments import report  # the repository root is on sys.path (tests run from it)
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +26,7 @@ TINY = ["warmup.steps=10", "warmup.batch_size=16", "task.synthetic.max_operands=
 
 def _run(script, tmp, *args):
   sets = [a for s in TINY + [f"warmup.cache_dir={tmp}/base"] for a in ("--set", s)]
-  p = subprocess.run([sys.executable, os.path.join("experiments", script),
+  p = subprocess.run([sys.executable, "-m", f"experiments.{script}",
                       "--workdir", str(tmp / "w"), "--out", str(tmp / "out"), "--steps", "2",
                       "--batch", "8", "--eval-problems", "4", "--parallel", "1", "--seeds", "0",
                       *sets, *args],
@@ -50,7 +49,7 @@ def _cell(summary: str, method: str, col: int) -> str:
 def test_trm_mismatch_end_to_end(tmp_path):
   # One method and the frozen control keep the suite short; the method table and claims code
   # are the same for nine.
-  out = _run("trm_mismatch.py", tmp_path, "--methods", "trm_max_kl,frozen")
+  out = _run("trm_mismatch", tmp_path, "--methods", "trm_max_kl,frozen")
   with open(tmp_path / "out" / "results.csv") as f:
     rows = {r["cell"]: r for r in csv.DictReader(f)}
   assert set(rows) == {"method=trm_max_kl,seed=0", "method=frozen,seed=0"}
@@ -76,7 +75,7 @@ def test_trm_mismatch_end_to_end(tmp_path):
 
 
 def test_smd_compression_end_to_end(tmp_path):
-  _run("smd_compression.py", tmp_path, "--policies", "h2o", "--ratios", "0.5",
+  _run("smd_compression", tmp_path, "--policies", "h2o", "--ratios", "0.5",
        "--methods", "naive,smd@0.1", "--lambdas", "", "--skip-memory")
   with open(tmp_path / "out" / "results.csv") as f:
     rows = {r["cell"]: r for r in csv.DictReader(f)}

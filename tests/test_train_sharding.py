@@ -116,7 +116,7 @@ def test_batch_is_split_over_data_and_fsdp():
 
 
 def test_mesh_from_config_fills_minus_one_and_names_bad_keys():
-  c = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py"))
+  c = config_lib.load_config(os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py"))
   assert dict(train.make_mesh(c).shape) == {"data": 8, "fsdp": 1, "tensor": 1}
   c.mesh.fsdp, c.mesh.tensor = 2, 2
   assert dict(train.make_mesh(c).shape) == {"data": 2, "fsdp": 2, "tensor": 2}

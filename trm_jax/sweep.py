@@ -1,6 +1,6 @@
 r"""Batch experiments: a grid of config overrides, run as processes, resumable, one CSV.
 
-  python -m trm_jax.sweep --config configs/tiny_trm.py --workdir /tmp/sweep \
+  python -m trm_jax.sweep --config trm_jax/configs/tiny_trm.py --workdir /tmp/sweep \
       --grid optim.lr=1e-5,3e-5 --grid seed=0,1,2 --set total_steps=40 --parallel 2
   python -m trm_jax.sweep --workdir /tmp/sweep --aggregate   # CSV + plots only
 

@@ -1,6 +1,6 @@
 r"""The RL trainer: the loop around `step.rl_step`, with resume, evaluation and export.
 
-  python -m trm_jax.train --config configs/tiny_trm.py --workdir /tmp/trm_tiny \
+  python -m trm_jax.train --config trm_jax/configs/tiny_trm.py --workdir /tmp/trm_tiny \
       [--config.total_steps=100 --config.trm.criteria="('trm_max_kl','trm_avg_kl')" ...]
 
 `run` prepares the workdir (one trainer at a time: `workdir.WorkdirLock`), builds the mesh,
@@ -64,7 +64,9 @@ from trm_jax.models.hf_io import CheckpointFileError, CheckpointMismatchError
 
 log = logging.getLogger("trm_jax.train")
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_trm.py",
+# The default main job, found inside the package so that it works from any directory.
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_trm.py")
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG,
                                           "experiment config (python file with get_config)",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory (checkpoints, metrics, plots)")
@@ -370,8 +372,7 @@ def cli():
     i = sys.argv.index("--config")
     spec = sys.argv[i + 1] if i + 1 < len(sys.argv) else None
   try:
-    config_lib.check_override_keys(config_lib.load_config(spec or "configs/tiny_trm.py"),
-                                   sys.argv)
+    config_lib.check_override_keys(config_lib.load_config(spec or DEFAULT_CONFIG), sys.argv)
   except config_lib.ConfigError as e:
     sys.exit(f"error: {e}")
   app.run(main)

@@ -1,17 +1,13 @@
 r"""The SMD seed's run: Qwen3-4B-Instruct on GSM8K with 50% SnapKV-compressed rollouts.
 
-  python -m trm_jax.train --config configs/qwen3_4b_smd_gsm8k.py --workdir /ckpt/smd_4b \
+  python -m trm_jax.train --config trm_jax/configs/qwen3_4b_smd_gsm8k.py --workdir /ckpt/smd_4b \
       --config.model.path=/ckpt/Qwen3-4B-Instruct --config.task.path=/data/gsm8k/train.jsonl \
       --config.task.eval_path=/data/gsm8k/test.jsonl
 
 Shadow masking replays SnapKV's retention record in the learner; lambda = 0.1 (the seed's best;
 0.8 degrades). `smd.mode` = dense | naive | sparse_rl | smd reproduces the seed's comparison.
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import tiny_trm  # pylint: disable=g-import-not-at-top
+from trm_jax.configs import tiny_trm
 
 
 def get_config(arg=None):

@@ -1,6 +1,6 @@
 r"""The TRM paper's run: Qwen3-8B on DAPO-Math-17k with TRM-max, evaluated avg@32 on AIME25.
 
-  python -m trm_jax.train --config configs/qwen3_8b_dapo_trm.py --workdir gs://.../qwen3_8b_trm \
+  python -m trm_jax.train --config trm_jax/configs/qwen3_8b_dapo_trm.py --workdir gs://.../qwen3_8b_trm \
       --config.model.path=/ckpt/Qwen3-8B --config.task.path=/data/dapo-math-17k.parquet \
       --config.task.eval_path=/data/aime25.jsonl
 
@@ -11,11 +11,7 @@ per token (0.051 at 0.95), which TRM-max at delta = 0.05 would count as mismatch
 The sampler runs in bf16 (the realistic source of pi_roll != pi_theta together with
 staleness). Needs an accelerator pod; nothing here runs on CPU.
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import tiny_trm  # pylint: disable=g-import-not-at-top
+from trm_jax.configs import tiny_trm
 
 
 def get_config(arg=None):

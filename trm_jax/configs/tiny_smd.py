@@ -1,20 +1,16 @@
 r"""Shadow Mask Distillation on the synthetic task, on CPU: 50% H2O-compressed rollouts.
 
-  python -m trm_jax.train --config configs/tiny_smd.py --workdir /tmp/smd_tiny
+  python -m trm_jax.train --config trm_jax/configs/tiny_smd.py --workdir /tmp/smd_tiny
 
 The task is `tiny_trm.py`'s with filler spaces in the prompt (see below); the rollout keeps a
 KV cache with half the keys of each sequence (H2O: heavy hitters + recent window, evicting
 while decoding) and records
 `evicted_at`; the learner replays it as attention visibility (pi_shadow == pi_sparse exactly)
-and distils from the dense stop-gradient teacher with lambda = 0.1 (SMD seed, Sec. 2).
-Switch `smd.mode` to naive | sparse_rl to run the seed's baselines on the same rollouts, or
+and distils from the dense stop-gradient teacher with lambda = 0.1 (SMD paper, Sec. 2).
+Switch `smd.mode` to naive | sparse_rl to run the SMD paper's baselines on the same rollouts, or
 set `rollout.cache.policy=none` with `smd.mode=dense` for the uncompressed reference.
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import tiny_trm  # pylint: disable=g-import-not-at-top
+from trm_jax.configs import tiny_trm
 
 
 def get_config(arg=None):

@@ -1,6 +1,6 @@
 r"""TRM under injected rollout/learner mismatch: a tiny Qwen3-MoE-shaped policy, on CPU.
 
-  python -m trm_jax.train --config configs/tiny_moe_mismatch.py --workdir /tmp/trm_moe
+  python -m trm_jax.train --config trm_jax/configs/tiny_moe_mismatch.py --workdir /tmp/trm_moe
 
 The base experiment of `experiments/trm_mismatch.py`. The policy is a 2-layer decoder whose
 MLPs are 8-expert top-2 MoE blocks (the Qwen3-MoE layout), warmed up on the synthetic task like
@@ -10,11 +10,7 @@ routing flip" source of pi_roll != pi_theta in the TRM paper (Sec. 1), which giv
 a large divergence rather than every token a small one. The experiment varies the objective
 and the masking criteria over this config.
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import tiny_trm  # pylint: disable=g-import-not-at-top
+from trm_jax.configs import tiny_trm
 
 
 def get_config(arg=None):

@@ -1,0 +1,15 @@
+"""Experiment configs (big_vision style): Python files with `get_config(arg=None)`.
+
+  python -m trm_jax.train --config trm_jax/configs/tiny_trm.py --workdir /tmp/run \
+      --config.optim.lr=1e-4
+
+  tiny_trm            the default main job: GRPO + TRM-max on the synthetic task, CPU, minutes
+  tiny_smd            Shadow Mask Distillation with 50 % H2O-compressed rollouts, CPU
+  tiny_moe_mismatch   a Qwen3-MoE-shaped tiny policy with router jitter in the sampler
+  qwen3_8b_dapo_trm   the TRM paper's run: Qwen3-8B on DAPO-Math-17k (an accelerator pod)
+  qwen3_4b_smd_gsm8k  the SMD paper's run: Qwen3-4B on GSM8K (an accelerator pod)
+
+`tiny_trm` holds every setting with its one default and a comment; the others start from it
+(`from trm_jax.configs import tiny_trm`) and change what their experiment needs. A config of
+your own can live anywhere: `--config path/to/my_config.py`.
+"""
