@@ -18,7 +18,8 @@ ds to bf16 before their matmuls, at different points of the computation).
 The AOT test compiles forward + backward for a real TPU (v5e) through libtpu; it skips with
 the reason when libtpu is not installed (`pip install -e .[tpu]`).
 
-Runtime: see the report at the end of the module's last test run (~50 s on 2 CPU cores).
+Measured fp32 max abs errors are 1e-6 (outputs) and 6e-6 (gradients). Runtime: 42 s on 2 CPU
+cores shared with other work (41 s CPU), 10 s of it the four rollouts' sampler compiles.
 """
 import dataclasses
 
