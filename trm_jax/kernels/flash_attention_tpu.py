@@ -89,7 +89,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from trm_jax.kernels.visibility import LayerVisibility
+from trm_jax.kernels.visibility import NEVER_EVICTED, LayerVisibility
 
 LANES = 128
 # Finite stand-in for -inf in the running max (exp(m_prev - m_next) is never inf - inf).
@@ -208,7 +208,7 @@ def _block_summaries(seg, ev, K: int, bq: int, bk: int):
   q_lo, q_hi, _ = _seg_ranges(seg, bq)                          # [B, nq]
   k_lo, k_hi, k_valid = _seg_ranges(seg, bk)                    # [B, nk], [B, nk, bk]
   if ev is None:
-    k_ev = jnp.where(k_valid.any(-1), jnp.int32(2**30), 0)[:, None, :]
+    k_ev = jnp.where(k_valid.any(-1), jnp.int32(NEVER_EVICTED), 0)[:, None, :]
     k_ev = jnp.broadcast_to(k_ev, (B, K, nk))
   else:
     evb = ev.reshape(B, K, nk, bk)
@@ -318,6 +318,8 @@ def _interpret(st: _Static):
 
 
 def _fwd_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
+  """Query block i of head chunk hc against key block j: online softmax into VMEM scratch,
+  normalised output and logsumexp rows written at the last key step."""
   tabs, refs = refs[:7], refs[7:]
   q_ref, k_ref, v_ref, segq_ref, segk_ref = refs[:5]
   ev_ref = refs[5] if has_ev else None
