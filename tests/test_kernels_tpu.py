@@ -5,7 +5,9 @@ jit per case (compiles dominate the cost): fp32 outputs to 1e-5 and gradients to
 ragged right/left padding, packed segments, GQA groups of 1, 2 and 4, head dims 64 and 128
 (64 is padded to 128 lanes inside), three block shapes (T not always a multiple of the block),
 query rows whose every key is evicted, synthetic eviction records of every kind, and the
-records real rollouts of every cache policy write (snapkv, h2o, recent, random at ratio 0.5).
+records real rollouts of every cache policy write (snapkv, h2o, recent, random at ratio 0.5);
+and the tiny decoder scoring an H2O rollout under its record (log-probs and parameter
+gradients) through attn_impl="pallas_tpu_interpret" against "reference".
 
 bf16 (inputs and the kernel's matmul operands bf16, fp32 accumulation), max abs error against
 the fp32 reference on the same bf16-rounded inputs (T=256, N=4, K=2, H=128, mixed eviction,
@@ -18,15 +20,18 @@ ds to bf16 before their matmuls, at different points of the computation).
 The AOT test compiles forward + backward for a real TPU (v5e) through libtpu; it skips with
 the reason when libtpu is not installed (`pip install -e .[tpu]`).
 
-Measured fp32 max abs errors are 1e-6 (outputs) and 6e-6 (gradients). Runtime: 42 s on 2 CPU
-cores shared with other work (41 s CPU), 10 s of it the four rollouts' sampler compiles.
+Measured fp32 max abs errors are 1e-6 (outputs) and 6e-6 (gradients). Runtime: 54 s on 2 CPU
+cores shared with other work (50 s CPU), 11 s of it the four rollouts' sampler compiles; the
+AOT test (4 s) skips without libtpu.
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from prompt_fixtures import left_padded_prompts
 from test_kernels import _eviction_record
@@ -149,18 +154,24 @@ def test_outputs_and_gradients_match_reference(case):
 
 
 @pytest.fixture(scope="module")
-def policy_records():
-  """{policy: LayerVisibility} from real rollouts (tiny one-layer model, ratio 0.5,
+def policy_rollouts():
+  """(model, {policy: Rollout}) from real rollouts (tiny one-layer model, ratio 0.5,
   T = 128 + 128; one layer because the four sampler compiles are most of this file's time)."""
   model = make_test_model(seed=0, num_layers=1)
   lens = np.array([128, 77], np.int32)
   prompts = left_padded_prompts(lens, 128)
   out = {}
   for policy in ("snapkv", "h2o", "recent", "random"):
-    ro = generate(model, prompts, lens, max_new_tokens=128, key=jax.random.key(1), eos_ids=(),
-                  cache=CacheConfig(policy=policy, ratio=0.5))
-    out[policy] = Visibility(ro.segment_ids, ro.evicted_at).layer(0)
-  return out
+    out[policy] = generate(model, prompts, lens, max_new_tokens=128, key=jax.random.key(1),
+                           eos_ids=(), cache=CacheConfig(policy=policy, ratio=0.5))
+  return model, out
+
+
+@pytest.fixture(scope="module")
+def policy_records(policy_rollouts):
+  """{policy: LayerVisibility} of the rollouts' only layer."""
+  return {p: Visibility(ro.segment_ids, ro.evicted_at).layer(0)
+          for p, ro in policy_rollouts[1].items()}
 
 
 def test_rollout_eviction_records_of_every_policy(policy_records):
@@ -173,6 +184,34 @@ def test_rollout_eviction_records_of_every_policy(policy_records):
   q, k, v, do = _qkv_do(np.random.default_rng(1), B, T, N, K, H)
   got = _kernel(TPUBlockSizes(256, 128, 128, 256))(q, k, v, do, vis)
   _assert_matches_reference(got, _reference(q, k, v, do, vis), vis, N)
+
+
+def test_decoder_scores_a_rollout_through_the_kernel(policy_rollouts):
+  """The model's teacher-forced log-probs of an H2O rollout under its eviction record, and
+  their parameter gradients, through attn_impl="pallas_tpu_interpret" and "reference"."""
+  model, rollouts = policy_rollouts
+  ro = rollouts["h2o"]
+  vis = Visibility(ro.segment_ids, ro.evicted_at)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  valid = (ro.segment_ids[:, 1:] != 0) & (ro.segment_ids[:, :-1] != 0)
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def score(params, impl):
+    def total_logp(params):
+      logits = nnx.merge(graphdef, params, rest)(ro.tokens, visibility=vis, attn_impl=impl)
+      logp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]),
+                                 ro.tokens[:, 1:, None], -1)[..., 0]
+      return jnp.sum(jnp.where(valid, logp, 0.0)), logp
+    return jax.value_and_grad(total_logp, has_aux=True)(params)
+
+  (_, logp), grads = score(params, "pallas_tpu_interpret")
+  (_, ref_logp), ref_grads = score(params, "reference")
+  np.testing.assert_allclose(np.where(valid, logp, 0), np.where(valid, ref_logp, 0),
+                             atol=1e-5, rtol=0)
+  for (path, g), rg in zip(jax.tree_util.tree_leaves_with_path(grads),   # entries up to ~10
+                           jax.tree_util.tree_leaves(ref_grads)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(rg), atol=1e-4, rtol=0,
+                               err_msg=jax.tree_util.keystr(path))
 
 
 def test_bf16_within_the_references_own_rounding():
