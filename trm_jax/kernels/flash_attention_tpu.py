@@ -458,7 +458,7 @@ def _dkdv_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
 
 
 def _dq_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
-  """Grid (B, K, nq, nk): query block i of the group of kv head kh against key blocks j.
+  """Grid (B, K*C, nq, nk): query block i of head chunk hc against key blocks j.
 
   Also computes delta = rowsum(dO * O) (at j == 0, as a column, which is what dq needs) and
   writes it as a row for the dk/dv kernel, so delta never exists as an fp32 [B, T, N, H]
@@ -521,7 +521,8 @@ def _backward(q, k, v, seg, ev, o, lse, do, st: _Static):
   smem = lambda refs: _Smem(refs, K=K, nq=nq, nk=nk, n_outer=nq)
   jf = lambda b, hc, i, j, refs: smem(refs).fetch(b, _div(hc, C), i, j)
   qrow = pl.BlockSpec((None, bq, Gs * Hp), lambda b, hc, i, j, *r: (b, i, hc))
-  kvb = pl.BlockSpec((None, bk, Hp), lambda b, hc, i, j, *r: (b, jf(b, hc, i, j, r), _div(hc, C)))
+  kvb = pl.BlockSpec((None, bk, Hp),
+                     lambda b, hc, i, j, *r: (b, jf(b, hc, i, j, r), _div(hc, C)))
   stat = pl.BlockSpec((None, Gs, 1, bq), lambda b, hc, i, j, *r: (b, hc, 0, i))
   segq = pl.BlockSpec((None, 1, bq), lambda b, hc, i, j, *r: (b, 0, i))
   segk = pl.BlockSpec((None, 1, bk), lambda b, hc, i, j, *r: (b, 0, jf(b, hc, i, j, r)))
