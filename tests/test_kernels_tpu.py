@@ -38,10 +38,10 @@ from test_kernels import _eviction_record
 from trm_jax.kernels.attention import attention, resolve_impl
 from trm_jax.kernels.attention_ref import attention_reference
 from trm_jax.kernels.flash_attention import BlockSizes
-from trm_jax.kernels.flash_attention_tpu import (TPUBlockSizes, _block_summaries,
-                                                 _padded_length, _plan, _side_inputs,
-                                                 _tables, flash_attention_tpu)
+from trm_jax.kernels.flash_attention_tpu import (TPUBlockSizes, _padded_length, _side_inputs,
+                                                 flash_attention_tpu)
 from trm_jax.kernels.tpu_aot import compile_for_tpu, libtpu_available
+from trm_jax.kernels.tpu_blocks import block_summaries, block_tables, plan_blocks
 from trm_jax.kernels.visibility import (NEVER_EVICTED, LayerVisibility, Visibility,
                                         visible_mask)
 from trm_jax.models import make_test_model
@@ -242,7 +242,7 @@ def test_block_tables_are_conservative_and_skip():
                                 evict="mixed"), True)):
     vis = _visibility(case, rng)
     seg, ev = _side_inputs(vis, case.B, T, _padded_length(T, case.blocks))
-    _, live = _block_summaries(seg, ev, case.K, bq, bk)
+    _, live = block_summaries(seg, ev, case.K, bq, bk)
     dense = np.asarray(visible_mask(vis, case.B, case.K, T))
     needed = dense.reshape(case.B, case.K, T // bq, bq, T // bk, bk).any((3, 5))
     live = np.asarray(live)
@@ -250,7 +250,7 @@ def test_block_tables_are_conservative_and_skip():
     causal = np.tril(np.ones((T // bq, T // bk), bool))
     assert (live < causal).any() == must_skip       # skips beyond the causal triangle
     # The fetch range of every query block covers its live key blocks.
-    tabs = _tables(seg, ev, case.K, bq, bk, outer="q")
+    tabs = block_tables(seg, ev, case.K, bq, bk, outer="q")
     lo = np.asarray(tabs.f_lo).reshape(live.shape[:3])
     hi = np.asarray(tabs.f_hi).reshape(live.shape[:3])
     j = np.arange(T // bk)
@@ -261,7 +261,7 @@ def test_blocks_fit_the_vmem_budget():
   """Rows per step (heads x block_q) are capped by what compiled for v5e's 16 MiB scoped
   VMEM: short blocks first, then the group is split into head chunks."""
   def plan(G, dtype=jnp.bfloat16, T=32768, blocks=TPUBlockSizes()):
-    b, hf, hb = _plan(blocks, T, G, jnp.dtype(dtype).itemsize)
+    b, hf, hb = plan_blocks(blocks, T, G, jnp.dtype(dtype).itemsize)
     return (b.block_q, hf), (b.block_q_bwd, hb)
   assert plan(4) == ((512, 4), (256, 4))                    # Qwen3-8B: the defaults
   assert plan(8) == ((256, 8), (256, 8))

@@ -36,26 +36,26 @@ TPU layout, and why:
     others "parallel" (megacore). C = G / Gs head chunks.
   * VMEM: a step holds Gs * block_q query rows (q, o, dO tiles, accumulators, lane-replicated
     softmax statistics). AOT compiles for v5e (16 MiB default scoped VMEM) fit 2048 rows in
-    the forward and 4096 (bf16) / 2048 (fp32) in the dq kernel; `_plan` halves block_q down to
+    the forward and 4096 (bf16) / 2048 (fp32) in the dq kernel; `plan_blocks` halves block_q to
     128 and then splits the group into chunks to stay inside (scaled by vmem_limit_bytes when
     given). Qwen3-8B (G=4) keeps the default blocks and whole groups; G=32 runs two chunks.
   * T is padded to a multiple of the largest block; padded positions get segment id 0, so
     they are invisible like any padding, and padded query rows are sliced off.
 
-Block skipping. Three small int32 tables go to SMEM by scalar prefetch: per query block and per
-key block the min/max non-zero segment id, and per (b, kv head, key block) the max of
-evicted_at over the block's non-padding keys. A (query block i, key block j) step is computed
-only if some pair in it can be visible: j starts at or before the block's last query
-(causality), max(evicted_at) > the block's first query, and the two segment ranges overlap
-(padding-only blocks have an empty range). Skipped steps are a `pl.when` that does nothing.
-Fetches: per (b, kv head, outer block) the first and last inner block that is computed are
-prefetched too, and the index_maps clamp the inner block index into that range, so steps
-before the first / after the last computed block re-use a tile already in VMEM and start no
-DMA (this covers the causal upper triangle, left padding, and fully evicted leading blocks
-in the dk/dv kernel's query loop). Skipped blocks *between* two computed ones (an evicted band
-with a kept sink block before it) are still fetched but not computed: a fetch table exact for
-holes would take O(nq * nk) SMEM. SMEM holds O(B * K * T / block) words (B = 256, K = 8,
-T = 4096 compiles for v5p).
+Block skipping (tables built in `tpu_blocks.py`). Three small int32 tables go to SMEM by
+scalar prefetch: per query block and per key block the min/max non-zero segment id, and per
+(b, kv head, key block) the max of evicted_at over the block's non-padding keys. A (query
+block i, key block j) step is computed only if some pair in it can be visible: j starts at or
+before the block's last query (causality), max(evicted_at) > the block's first query, and the
+two segment ranges overlap (padding-only blocks have an empty range). Skipped steps are a
+`pl.when` that does nothing. Fetches: per (b, kv head, outer block) the first and last inner
+block that is computed are prefetched too, and the index_maps clamp the inner block index into
+that range, so steps before the first / after the last computed block re-use a tile already
+in VMEM and start no DMA (this covers the causal upper triangle, left padding, and fully
+evicted leading blocks in the dk/dv kernel's query loop). Skipped blocks *between* two
+computed ones (an evicted band with a kept sink block before it) are still fetched but not
+computed: a fetch table exact for holes would take O(nq * nk) SMEM. SMEM holds
+O(B * K * T / block) words (B = 256, K = 8, T = 4096 compiles for v5p).
 
 Fully masked rows (padding, or every key evicted) give exact zeros, logsumexp -inf, and zero
 gradients: probabilities are zeroed with `where(visible, ., 0)` and the row sum is guarded.
@@ -89,55 +89,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from trm_jax.kernels.visibility import NEVER_EVICTED, LayerVisibility
+from trm_jax.kernels.tpu_blocks import (LANES, SmemTables, TPUBlockSizes, block_tables,
+                                        plan_blocks)
+from trm_jax.kernels.visibility import LayerVisibility
 
-LANES = 128
 # Finite stand-in for -inf in the running max (exp(m_prev - m_next) is never inf - inf).
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_EMPTY_LO = 2**30   # segment range of a block with no valid position: lo > hi, overlaps nothing
-_EMPTY_HI = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class TPUBlockSizes:
-  """Tile sizes of the TPU kernel: powers of two >= 128 (lanes). Clamped down for short T."""
-  block_q: int = 512       # forward: query rows per step
-  block_k: int = 512       # forward: keys per step
-  block_q_bwd: int = 256   # backward: query rows per step (dk/dv inner loop, dq outer)
-  block_k_bwd: int = 512   # backward: keys per step (dk/dv outer, dq inner loop)
-  vmem_limit_bytes: Optional[int] = None   # Mosaic scoped-VMEM limit; None = chip default
-
-  def __post_init__(self):
-    for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
-      b = getattr(self, name)
-      if b < LANES or b & (b - 1):
-        raise ValueError(f"TPUBlockSizes.{name}={b} must be a power of two >= {LANES} "
-                         "(TPU tiles: the key and query block are lane dimensions)")
-
-  def clamped(self, T: int) -> "TPUBlockSizes":
-    """Blocks no larger than T rounded up to a power of two (>= 128)."""
-    cap = max(LANES, 1 << max(0, (T - 1).bit_length()))
-    return dataclasses.replace(self, **{n: min(getattr(self, n), cap) for n in
-                                        ("block_q", "block_k", "block_q_bwd", "block_k_bwd")})
-
-
-# Query rows (heads per step x block_q) one grid step may hold within the 16 MiB default
-# scoped VMEM of v5e/v5p. Found by AOT-compiling for v5e over G in {2, 4, 8, 16}, blocks
-# 128..512, bf16 and fp32 (bench/tpu_kernel_aot.py's topologies): the forward fits 2048 rows
-# in either dtype (4096 overflows); the dq kernel, which holds q, dO, O and dq tiles, fits
-# 4096 rows in bf16 and 2048 in fp32. Scaled by vmem_limit_bytes / 16 MiB when that is set.
-_DEFAULT_SCOPED_VMEM = 16 * 2**20
-_FWD_ROWS = 2048
-_BWD_ROW_BYTES = 8192      # rows = _BWD_ROW_BYTES // itemsize
-
-
-def _fit_rows(block_q: int, groups: int, rows: int):
-  """(block_q, heads per step): shrink the block to 128 first, then split the group."""
-  while groups * block_q > rows and block_q > LANES:
-    block_q //= 2
-  heads = max((d for d in range(1, groups + 1) if groups % d == 0 and d * block_q <= rows),
-              default=1)
-  return block_q, heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,106 +107,6 @@ class _Static:
   heads_fwd: int           # query heads per grid step (a divisor of G), forward
   heads_bwd: int           # the same for the backward kernels
   interpret: bool
-
-
-def _plan(blocks: TPUBlockSizes, T: int, groups: int, itemsize: int):
-  """Blocks clamped to T and fitted to VMEM, and the heads per step of each pass."""
-  blocks = blocks.clamped(T)
-  scale = (blocks.vmem_limit_bytes or _DEFAULT_SCOPED_VMEM) / _DEFAULT_SCOPED_VMEM
-  bq, heads_fwd = _fit_rows(blocks.block_q, groups, int(_FWD_ROWS * scale))
-  bq_bwd, heads_bwd = _fit_rows(blocks.block_q_bwd, groups,
-                                int(_BWD_ROW_BYTES // itemsize * scale))
-  return dataclasses.replace(blocks, block_q=bq, block_q_bwd=bq_bwd), heads_fwd, heads_bwd
-
-
-# --------------------------------------------------------------------------------------------
-# Block tables (XLA side, O(B * K * T / block)) and the shared block predicate.
-# --------------------------------------------------------------------------------------------
-
-
-def _block_live(i, j, q_lo, q_hi, k_lo, k_hi, k_ev, bq: int, bk: int):
-  """Can any pair of query block i and key block j be visible? Conservative, never wrong.
-
-  Works on arrays (table building) and on SMEM scalars (inside the kernels) alike.
-  """
-  causal = j * bk <= (i + 1) * bq - 1
-  alive = k_ev > i * bq
-  overlap = jnp.maximum(q_lo, k_lo) <= jnp.minimum(q_hi, k_hi)
-  return causal & alive & overlap
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tables:
-  """Flattened int32 tables for scalar prefetch (SMEM), for one (block_q, block_k) pair."""
-  q_lo: jax.Array     # [B * nq] min non-zero segment id of the query block (_EMPTY_LO if none)
-  q_hi: jax.Array     # [B * nq] max non-zero segment id (_EMPTY_HI if none)
-  k_lo: jax.Array     # [B * nk]
-  k_hi: jax.Array     # [B * nk]
-  k_ev: jax.Array     # [B * K * nk] max evicted_at over the block's valid keys (0 if none)
-  f_lo: jax.Array     # [B * K * n_outer] first live inner block of each outer block
-  f_hi: jax.Array     # [B * K * n_outer] last live inner block (both 0 if none is live)
-
-  def args(self):
-    return (self.q_lo, self.q_hi, self.k_lo, self.k_hi, self.k_ev, self.f_lo, self.f_hi)
-
-
-def _seg_ranges(seg, block):
-  s = seg.reshape(seg.shape[0], -1, block)
-  valid = s != 0
-  lo = jnp.where(valid, s, _EMPTY_LO).min(-1)
-  hi = jnp.where(valid, s, _EMPTY_HI).max(-1)
-  return lo, hi, valid
-
-
-def _block_summaries(seg, ev, K: int, bq: int, bk: int):
-  """Per-block summaries and the [B, K, nq, nk] bool `live` they imply (XLA, tiny)."""
-  B, T = seg.shape
-  nq, nk = T // bq, T // bk
-  q_lo, q_hi, _ = _seg_ranges(seg, bq)                          # [B, nq]
-  k_lo, k_hi, k_valid = _seg_ranges(seg, bk)                    # [B, nk], [B, nk, bk]
-  if ev is None:
-    k_ev = jnp.where(k_valid.any(-1), jnp.int32(NEVER_EVICTED), 0)[:, None, :]
-    k_ev = jnp.broadcast_to(k_ev, (B, K, nk))
-  else:
-    evb = ev.reshape(B, K, nk, bk)
-    k_ev = jnp.where(k_valid[:, None], evb, 0).max(-1)          # [B, K, nk]
-  i = jnp.arange(nq)[:, None]
-  j = jnp.arange(nk)[None, :]
-  live = _block_live(i, j, q_lo[:, None, :, None], q_hi[:, None, :, None],
-                     k_lo[:, None, None, :], k_hi[:, None, None, :], k_ev[:, :, None, :],
-                     bq, bk)                                      # [B, K, nq, nk]
-  return (q_lo, q_hi, k_lo, k_hi, k_ev), live
-
-
-def _tables(seg, ev, K: int, bq: int, bk: int, outer: str) -> _Tables:
-  """Tables for a kernel whose outer grid axis runs over `outer` ("q" or "k") blocks."""
-  (q_lo, q_hi, k_lo, k_hi, k_ev), live = _block_summaries(seg, ev, K, bq, bk)
-  if outer == "k":
-    live = jnp.swapaxes(live, -1, -2)                            # [B, K, nk, nq]
-  n_in = live.shape[-1]
-  any_live = live.any(-1)
-  first = jnp.where(any_live, jnp.argmax(live, -1), 0)
-  last = jnp.where(any_live, n_in - 1 - jnp.argmax(live[..., ::-1], -1), 0)
-  i32 = lambda x: x.astype(jnp.int32).reshape(-1)
-  return _Tables(i32(q_lo), i32(q_hi), i32(k_lo), i32(k_hi), i32(k_ev), i32(first), i32(last))
-
-
-class _Smem:
-  """Reads the scalar-prefetched tables inside a kernel or an index_map."""
-
-  def __init__(self, refs, *, K: int, nq: int, nk: int, n_outer: int):
-    self.q_lo, self.q_hi, self.k_lo, self.k_hi, self.k_ev, self.f_lo, self.f_hi = refs
-    self.K, self.nq, self.nk, self.n_outer = K, nq, nk, n_outer
-
-  def live(self, b, kh, i, j, bq: int, bk: int):
-    return _block_live(i, j, self.q_lo[b * self.nq + i], self.q_hi[b * self.nq + i],
-                       self.k_lo[b * self.nk + j], self.k_hi[b * self.nk + j],
-                       self.k_ev[(b * self.K + kh) * self.nk + j], bq, bk)
-
-  def fetch(self, b, kh, outer, inner):
-    """Inner block to hold in VMEM at this step: `inner` clamped to the live range."""
-    f = (b * self.K + kh) * self.n_outer + outer
-    return jnp.minimum(jnp.maximum(inner, self.f_lo[f]), self.f_hi[f])
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,7 +185,7 @@ def _fwd_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
   Gs = st.heads_fwd
   b, hc, i, j = (pl.program_id(a) for a in range(4))
   kh = _div(hc, st.groups // Gs)
-  smem = _Smem(tabs, K=K, nq=nq, nk=nk, n_outer=nq)
+  smem = SmemTables(tabs, K=K, nq=nq, nk=nk, n_outer=nq)
 
   @pl.when(j == 0)
   def _init():
@@ -376,8 +233,8 @@ def _forward(q, k, v, seg, ev, st: _Static):
   N = K * G
   bq, bk = st.blocks.block_q, st.blocks.block_k
   nq, nk = T // bq, T // bk
-  tabs = _tables(seg, ev, K, bq, bk, outer="q")
-  smem = lambda refs: _Smem(refs, K=K, nq=nq, nk=nk, n_outer=nq)
+  tabs = block_tables(seg, ev, K, bq, bk, outer="q")
+  smem = lambda refs: SmemTables(refs, K=K, nq=nq, nk=nk, n_outer=nq)
   jf = lambda b, hc, i, j, refs: smem(refs).fetch(b, _div(hc, C), i, j)
 
   # q/o column block hc holds query heads hc*Gs .. hc*Gs + Gs - 1, all of kv head _div(hc, C).
@@ -426,7 +283,7 @@ def _dkdv_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
   bq, bk, Hp = st.blocks.block_q_bwd, st.blocks.block_k_bwd, st.head_dim
   Gs = st.heads_bwd
   b, kh, j, c, i = (pl.program_id(a) for a in range(5))
-  smem = _Smem(tabs, K=K, nq=nq, nk=nk, n_outer=nk)
+  smem = SmemTables(tabs, K=K, nq=nq, nk=nk, n_outer=nk)
 
   @pl.when((c == 0) & (i == 0))
   def _init():
@@ -472,7 +329,7 @@ def _dq_kernel(*refs, st: _Static, K: int, nq: int, nk: int, has_ev: bool):
   Gs = st.heads_bwd
   b, hc, i, j = (pl.program_id(a) for a in range(4))
   kh = _div(hc, st.groups // Gs)
-  smem = _Smem(tabs, K=K, nq=nq, nk=nk, n_outer=nq)
+  smem = SmemTables(tabs, K=K, nq=nq, nk=nk, n_outer=nq)
 
   @pl.when(j == 0)
   def _init():
@@ -517,8 +374,8 @@ def _backward(q, k, v, seg, ev, o, lse, do, st: _Static):
   has_ev = ev is not None
 
   # dq (and delta): outer over query blocks i, inner over key blocks j, like the forward.
-  tabs = _tables(seg, ev, K, bq, bk, outer="q")
-  smem = lambda refs: _Smem(refs, K=K, nq=nq, nk=nk, n_outer=nq)
+  tabs = block_tables(seg, ev, K, bq, bk, outer="q")
+  smem = lambda refs: SmemTables(refs, K=K, nq=nq, nk=nk, n_outer=nq)
   jf = lambda b, hc, i, j, refs: smem(refs).fetch(b, _div(hc, C), i, j)
   qrow = pl.BlockSpec((None, bq, Gs * Hp), lambda b, hc, i, j, *r: (b, i, hc))
   kvb = pl.BlockSpec((None, bk, Hp),
@@ -543,8 +400,8 @@ def _backward(q, k, v, seg, ev, o, lse, do, st: _Static):
       name="vis_flash_tpu_bwd_dq")(*tabs.args(), *args)
 
   # dk, dv: outer over key blocks j, inner over query blocks i (fetch clamped to live i's).
-  tabs = _tables(seg, ev, K, bq, bk, outer="k")
-  smem = lambda refs: _Smem(refs, K=K, nq=nq, nk=nk, n_outer=nk)
+  tabs = block_tables(seg, ev, K, bq, bk, outer="k")
+  smem = lambda refs: SmemTables(refs, K=K, nq=nq, nk=nk, n_outer=nk)
   if_ = lambda b, kh, j, i, refs: smem(refs).fetch(b, kh, j, i)
   qrow = pl.BlockSpec((None, bq, Gs * Hp),
                       lambda b, kh, j, c, i, *r: (b, if_(b, kh, j, i, r), kh * C + c))
@@ -635,7 +492,8 @@ def flash_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
   _check_inputs(q, k, v, vis)
   B, T, N, H = q.shape
   K = k.shape[2]
-  blocks, heads_fwd, heads_bwd = _plan(block_sizes, T, N // K, jnp.dtype(q.dtype).itemsize)
+  blocks, heads_fwd, heads_bwd = plan_blocks(block_sizes, T, N // K,
+                                             jnp.dtype(q.dtype).itemsize)
   T_pad = _padded_length(T, blocks)
   Hp = _round_up(H, LANES)
   st = _Static(scale=H ** -0.5 if scale is None else float(scale), groups=N // K,
