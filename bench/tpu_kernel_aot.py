@@ -17,7 +17,7 @@ does not compile (the reference's [B, K, G, T, T] fp32 logits outgrow HBM) recor
 compiler's first error line instead. About a minute on 2 CPU cores.
 
   pip install -e '.[tpu]'
-  python bench/tpu_kernel_aot.py [--out bench/results/tpu_kernel_aot.json]
+  python -m bench.tpu_kernel_aot [--out bench/results/tpu_kernel_aot.json]
 """
 from __future__ import annotations
 
