@@ -13,18 +13,18 @@ sequence's keys evicted by SnapKV / H2O / recent+sinks / random); the learner is
               below 1e-4, weights normalised to mean 1; the fraction of rollouts wasted logged
   smd         Shadow Mask Distillation: the learner replays the rollout's eviction record as
               attention visibility (ratio exactly 1) and distils from the dense stop-gradient
-              teacher with weight lambda (0, 0.1 = the seed's default, 0.8)
+              teacher with weight lambda (0, 0.1 = the SMD paper's default, 0.8)
   frozen      control: the base policy on the same compressed rollouts, never updated
               (lr 0); its accuracy is what training has to beat
 
-TRM masking is off in every run (the comparison is the SMD seed's); its divergence monitors
+TRM masking is off in every run (the comparison is the SMD paper's); its divergence monitors
 still report the residual mismatch (trm/delta_hat = the largest token KL in the batch).
 
 Writes into --out: results.csv, curves.png, summary.md (final accuracy per method and policy,
-fraction of rollouts wasted, residual mismatch, learner memory, and the seed's claims checked
+fraction of rollouts wasted, residual mismatch, learner memory, and the SMD paper's claims checked
 against these numbers). The runs live in --workdir and are resumable.
 
-Claims tested (SMD seed): SMD is close to dense and above Sparse-RL, naive is worst; lambda =
+Claims tested (SMD paper): SMD is close to dense and above Sparse-RL, naive is worst; lambda =
 0.1 beats 0.8. "Learner memory" is the compiled temporary memory of one learner update at the
 experiment's shapes (XLA's buffer assignment on this machine, not a measured peak).
 """
@@ -140,7 +140,7 @@ def group_stats(workdir: str, cells) -> dict:
 
 
 def claims(stats: dict, methods, lambdas) -> list[str]:
-  """The seed's claims, each decided by paired differences over (policy, ratio) settings.
+  """The SMD paper's claims, each decided by paired differences over (policy, ratio) settings.
 
   With one seed per setting the settings are the replicates: a difference counts when its
   mean over settings exceeds two standard errors; otherwise it is "not resolved".
@@ -231,7 +231,7 @@ def write_summary(out: str, stats: dict, methods, lambdas, memory: dict, args,
       "## Learner memory: compiled temporaries of one update (snapkv 50 %, B = "
       f"{args.batch})",
       report.markdown_table(["method", "temp MiB"], mem_rows) if mem_rows else "(skipped)",
-      "## The seed's claims on these runs",
+      "## The SMD paper's claims on these runs",
       "\n".join(claims(stats, methods, lambdas)),
       "![curves](curves.png)",
   ]) + "\n"

@@ -85,7 +85,7 @@ INTEGRAL_APPROX = {("pm_kl", 0), ("pm_kl", 1), ("pm_tv", 0), ("adaptive", 0)}
 
 
 def closed_form_crossovers(delta, eps, kl_seq, tv_seq, t_max, at=1.0) -> dict:
-  """First T in [1, t_max] with B(T) > at, from the formulas of trm-math.md evaluated for all
+  """First T in [1, t_max] with B(T) > at, from the formulas of docs/trm.md evaluated for all
   T at once (cumulative sums over t), independently of compute_bounds' code."""
   T = np.arange(1, t_max + 1, dtype=np.float64)                   # [t_max]
   k = T - 1                                                       # t - 1 for t = T

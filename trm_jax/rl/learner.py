@@ -1,6 +1,6 @@
 """The learner: one jitted scoring pass and one jitted update step per minibatch.
 
-Data flow for a rollout batch (ARCHITECTURE.md, "rl/learner"):
+Data flow for a rollout batch (docs/architecture.md):
 
   score(params, batch)                   no gradient; current pi_theta over the whole batch
     (1) hidden states of the learner track (shadow visibility in SMD mode, dense otherwise)
@@ -15,14 +15,14 @@ Data flow for a rollout batch (ARCHITECTURE.md, "rl/learner"):
     (4) optax update, skipped exactly when the loss or a gradient is non-finite, or when
         every sequence of the minibatch is masked (no signal; `learner/skipped`)
 
-Learner tracks by `mode` (the SMD paper's comparisons, `../shared/notes/smd-design.md`):
+Learner tracks by `mode` (the SMD paper's comparisons, docs/smd.md):
   "off" / "dense"  rollouts with a dense cache; the learner is dense (evicted_at ignored).
   "naive"          sparse rollouts scored by the dense learner as if on-policy.
   "sparse_rl"      dense learner, Sparse-RL token weights and vetoes on the dense/sparse ratio.
   "smd"            learner replays the rollout's `evicted_at` (pi_shadow == pi_sparse), plus the
                    dense stop-gradient teacher distilled with weight `lam`.
 
-Deviation from the SMD seed: the distillation KL is applied on every response token, including
+Deviation from the SMD paper: the distillation KL is applied on every response token, including
 sequences TRM masks out; it is a supervised term against the dense teacher, not an off-policy
 estimate, so the trust-region argument does not apply to it.
 """
