@@ -9,3 +9,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+import pytest  # noqa: E402  (after the environment above)
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+  """One tiny base model and one XLA compilation cache for every trainer test (shared_run.py)."""
+  from shared_run import SharedRun, session_root  # pylint: disable=g-import-not-at-top
+  run = SharedRun(session_root(tmp_path_factory))
+  run.build_base()
+  return run

@@ -2,21 +2,17 @@
 
 A key nobody reads is a knob that silently does nothing (`rl.baseline` was one: documented,
 settable, ignored). This test runs the real trainer in-process on `tiny_trm` for one step
-(warm-up, rollout, score, update, evaluation, checkpoint, export) while recording every read
+(base model, rollout, score, update, evaluation, checkpoint, export) while recording every read
 of a config key, then adds the branches one run cannot take (the other objectives' and cache
 policies' settings, read when those are chosen). Reads made only to check or serialise the
 config (`config.validate`, `to_json_best_effort`) do not count: validating a key is not using
 it.
 """
-import os
-
 import pytest
 from ml_collections import ConfigDict
 
 from trm_jax import config as config_lib
 from trm_jax import step, train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.slow
 
@@ -74,19 +70,16 @@ class KeyReads:
     return wrapped
 
 
-def _config(tmp_path):
-  c = config_lib.load_config(os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py"))
+def _config(shared_run):
+  c = shared_run.config()     # tiny_trm on the session's shared base model
   c.total_steps = 1
   c.eval_problems, c.eval_every, c.eval_samples = 4, 1, 2
   c.rl.batch_size, c.rl.group_size = 8, 4
-  c.warmup.steps, c.warmup.batch_size = 2, 8
-  c.warmup.cache_dir = str(tmp_path / "base")
-  c.task.synthetic.max_operands, c.task.synthetic.max_value = 3, 9
   return c
 
 
-def test_every_config_key_is_read(tmp_path, monkeypatch):
-  c = _config(tmp_path)
+def test_every_config_key_is_read(tmp_path, monkeypatch, shared_run):
+  c = _config(shared_run)
   keys = set(config_lib.all_keys(c))
   reads = KeyReads(c)
   reads.install(monkeypatch)

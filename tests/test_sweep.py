@@ -26,16 +26,14 @@ CONFIG = os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py")
 pytestmark = pytest.mark.slow
 
 
-def _tiny(tmp) -> list[str]:
-  return ["total_steps=2", "ckpt_every=1", "eval_problems=4", "eval_every=0", "eval_samples=1",
-          "export_hf=False",
-          "rl.batch_size=16", "rl.group_size=4", "warmup.steps=20", "warmup.batch_size=16",
-          "task.synthetic.max_operands=3", "task.synthetic.max_value=9",
-          f"warmup.cache_dir={tmp}/base"]
+def _tiny(shared) -> list[str]:
+  sets = ["total_steps=2", "ckpt_every=1", "eval_problems=4", "eval_every=0",
+          "eval_samples=1", "export_hf=False", "rl.batch_size=16", "rl.group_size=4"]
+  return sets + [f"{k}={v}" for k, v in shared.overrides().items()]
 
 
-def _cli(*args):
-  p = subprocess.run([sys.executable, "-m", "trm_jax.sweep", *args], cwd=ROOT,
+def _cli(*args, env=None):
+  p = subprocess.run([sys.executable, "-m", "trm_jax.sweep", *args], cwd=ROOT, env=env,
                      capture_output=True, text=True, timeout=900)
   return p.returncode, p.stdout + p.stderr
 
@@ -46,12 +44,13 @@ def _log_sizes(workdir):
 
 
 @pytest.fixture(scope="module")
-def swept(tmp_path_factory):
+def swept(tmp_path_factory, shared_run):
   tmp = tmp_path_factory.mktemp("sweep")
   workdir = str(tmp / "w")
-  sets = [a for s in _tiny(tmp) for a in ("--set", s)]
+  sets = [a for s in _tiny(shared_run) for a in ("--set", s)]
   rc, out = _cli("--config", CONFIG, "--workdir", workdir, "--grid", "seed=0,1", *sets,
-                 "--parallel", "2", "--threads-per-cell", "1", "--plot", "reward,learner/entropy")
+                 "--parallel", "2", "--threads-per-cell", "1", "--plot", "reward,learner/entropy",
+                 env=shared_run.env())
   assert rc == 0, out[-3000:]
   return tmp, workdir, sets, out
 
@@ -80,15 +79,17 @@ def test_grid_runs_and_csv_matches_the_cells(swept):
   assert os.path.getsize(os.path.join(workdir, "curves.png")) > 0
 
 
-def test_rerun_skips_done_cells_and_resumes_unfinished(swept):
+def test_rerun_skips_done_cells_and_resumes_unfinished(swept, shared_run):
   _, workdir, sets, _ = swept
   before = _log_sizes(workdir)
-  rc, out = _cli("--config", CONFIG, "--workdir", workdir, "--grid", "seed=0,1", *sets)
+  rc, out = _cli("--config", CONFIG, "--workdir", workdir, "--grid", "seed=0,1", *sets,
+                 env=shared_run.env())
   assert rc == 0 and "2 cells, 2 done, 0 to run" in out, out[-2000:]
   assert _log_sizes(workdir) == before
   # An interrupted cell (no summary.json) runs again, alone, from its last checkpoint.
   os.remove(os.path.join(workdir, "cells", "seed=1", "summary.json"))
-  rc, out = _cli("--config", CONFIG, "--workdir", workdir, "--grid", "seed=0,1", *sets)
+  rc, out = _cli("--config", CONFIG, "--workdir", workdir, "--grid", "seed=0,1", *sets,
+                 env=shared_run.env())
   assert rc == 0 and "2 cells, 1 done, 1 to run" in out, out[-2000:]
   after = _log_sizes(workdir)
   assert after["seed=0"] == before["seed=0"] and after["seed=1"] > before["seed=1"]
@@ -115,14 +116,14 @@ def _alive(pid: int) -> bool:
     return False
 
 
-def test_killed_sweep_takes_its_cells_with_it(swept):
+def test_killed_sweep_takes_its_cells_with_it(swept, shared_run):
   """SIGKILL of the sweep must not leave its cell training as an orphan (a rerun would then
   start the same cell beside it)."""
   tmp, _, sets, _ = swept
   workdir = str(tmp / "killed")
   proc = subprocess.Popen([sys.executable, "-m", "trm_jax.sweep", "--config", CONFIG,
                            "--workdir", workdir, "--grid", "seed=0", *sets,
-                           "--set", "total_steps=500"], cwd=ROOT,
+                           "--set", "total_steps=500"], cwd=ROOT, env=shared_run.env(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   lock = os.path.join(workdir, "cells", "seed=0", wd.LOCK_FILE)
   cell_pid = None

@@ -1,18 +1,21 @@
 """End-to-end trainer faults, each in real `python -m trm_jax.train` subprocesses (tiny config,
 8 simulated CPU devices from conftest, so the trainer runs on an 8-way data mesh):
 
-  * SIGKILL mid-run, resume: final parameters, optimizer state and RNG bitwise identical to an
+  * SIGKILL mid-run, resume: final parameters and optimizer state bitwise identical to an
     uninterrupted run, and metrics.jsonl holds each step exactly once with the same values;
   * the newest checkpoint's files corrupted: the run falls back to the one before, says so,
     and still ends bitwise identical;
   * held-out evaluations (`eval_every`) land at step 0 and every k steps, once each, with the
     same values after a resume;
   * NaN gradients at one step (`debug.nan_step`): that update is skipped (parameters and
-    optimizer state untouched, `learner/skipped` = 1) and the run finishes.
+    optimizer state untouched, `learner/skipped` = 1) and the run finishes;
+  * a rerun with another trajectory config is refused naming each key, unless
+    --allow_config_change; a longer total_steps extends the run and says so;
+  * a run whose every update is skipped stops after rl.max_consecutive_skips steps, saying why.
 
-The base model is built once (a short warm-up on an easier synthetic task, so that rewards
-vary within groups and the gradients are not zero: a resume bug must be able to change the
-parameters). All runs share a persistent XLA compilation cache, so only the first compiles.
+The base model is the session's shared one (shared_run.py: rewards vary within groups, so
+the gradients are not zero and a resume bug must be able to change the parameters), and all
+runs share the session's persistent XLA compilation cache.
 """
 import json
 import os
@@ -36,27 +39,16 @@ VOLATILE = ("time/", "throughput/", "wall_time", "memory/")
 pytestmark = pytest.mark.slow
 
 
-def _args(tmp, workdir, *overrides):
+def _args(shared, workdir, *overrides):
   return [sys.executable, "-m", "trm_jax.train", "--config", "trm_jax/configs/tiny_trm.py",
           "--workdir", workdir,
           f"--config.total_steps={STEPS}", "--config.ckpt_every=2", "--config.keep_ckpts=2",
           "--config.rl.batch_size=16", "--config.rl.group_size=4",
-          "--config.eval_problems=8", "--config.eval_every=2",
-          "--config.warmup.steps=80", "--config.warmup.batch_size=32",
-          "--config.task.synthetic.max_operands=3", "--config.task.synthetic.max_value=9",
-          f"--config.warmup.cache_dir={tmp}/base", *overrides]
+          "--config.eval_problems=8", "--config.eval_every=2", *shared.cli_args(), *overrides]
 
 
-def _env(tmp):
-  env = dict(os.environ)
-  env.update(JAX_COMPILATION_CACHE_DIR=f"{tmp}/xla_cache",
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-  return env
-
-
-def _train(tmp, workdir, *overrides, ok: bool = True) -> str:
-  p = subprocess.run(_args(tmp, workdir, *overrides), cwd=ROOT, env=_env(tmp),
+def _train(shared, workdir, *overrides, ok: bool = True) -> str:
+  p = subprocess.run(_args(shared, workdir, *overrides), cwd=ROOT, env=shared.env(),
                      capture_output=True, text=True, timeout=TIMEOUT)
   assert (p.returncode == 0) == ok, p.stderr[-4000:]
   return p.stderr
@@ -102,10 +94,10 @@ def tmp(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp):
-  """An uninterrupted run (also builds the base model and fills the compilation cache)."""
+def reference(tmp, shared_run):
+  """An uninterrupted run (also fills the shared compilation cache)."""
   workdir = os.path.join(tmp, "reference")
-  _train(tmp, workdir)
+  _train(shared_run, workdir)
   recs = _metrics(workdir)
   # The runs below can only show a difference if the updates do something.
   assert any(r.get("learner/grad_norm") for r in recs), "all gradients zero: the test is vacuous"
@@ -113,10 +105,10 @@ def reference(tmp):
   return workdir
 
 
-def _run_and_kill(tmp, workdir) -> bool:
+def _run_and_kill(shared, workdir) -> bool:
   """Starts a run and SIGKILLs it once a checkpoint is finalized; False if it ended first."""
   ckpt = os.path.join(workdir, "ckpt")
-  proc = subprocess.Popen(_args(tmp, workdir), cwd=ROOT, env=_env(tmp),
+  proc = subprocess.Popen(_args(shared, workdir), cwd=ROOT, env=shared.env(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + TIMEOUT
   try:
@@ -133,10 +125,10 @@ def _run_and_kill(tmp, workdir) -> bool:
   return proc.returncode == -signal.SIGKILL
 
 
-def test_sigkill_then_resume_is_bitwise_identical(tmp, reference):
+def test_sigkill_then_resume_is_bitwise_identical(tmp, reference, shared_run):
   for attempt in range(3):  # the kill must land between the first checkpoint and the end
     workdir = os.path.join(tmp, f"killed{attempt}")
-    if _run_and_kill(tmp, workdir) and not os.path.exists(os.path.join(workdir, "ckpt",
+    if _run_and_kill(shared_run, workdir) and not os.path.exists(os.path.join(workdir, "ckpt",
                                                                          str(STEPS))):
       break
   else:
@@ -144,7 +136,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp, reference):
   done = max(r["step"] for r in _metrics_safe(os.path.join(workdir, "metrics.jsonl")))
   assert done < STEPS
 
-  log = _train(tmp, workdir)
+  log = _train(shared_run, workdir)
   resumed = [int(d) for d in os.listdir(os.path.join(workdir, "ckpt")) if d.isdigit()]
   assert "resumed from step " in log, log[-3000:]
   assert STEPS in resumed
@@ -163,7 +155,7 @@ def _metrics_safe(path):
   return out
 
 
-def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp, reference):
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp, reference, shared_run):
   workdir = os.path.join(tmp, "corrupt")
   shutil.copytree(reference, workdir)
   newest = os.path.join(workdir, "ckpt", str(STEPS))
@@ -178,7 +170,7 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp, reference):
       n += 1
   assert n > 0
 
-  log = _train(tmp, workdir)
+  log = _train(shared_run, workdir)
   assert f"checkpoint step {STEPS} in" in log and "is unusable" in log, log[-3000:]
   assert "falling back to an older one" in log
   assert f"resumed from checkpoint step {STEPS - 2}" in log
@@ -186,10 +178,10 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp, reference):
   _assert_same_run(workdir, reference)
 
 
-def test_nan_gradients_skip_the_update_and_the_run_goes_on(tmp, reference):
+def test_nan_gradients_skip_the_update_and_the_run_goes_on(tmp, reference, shared_run):
   del reference  # only for the base model and the compilation cache
   workdir = os.path.join(tmp, "nan")
-  _train(tmp, workdir, "--config.total_steps=3", "--config.ckpt_every=1", "--config.eval_every=0",
+  _train(shared_run, workdir, "--config.total_steps=3", "--config.ckpt_every=1", "--config.eval_every=0",
          "--config.keep_ckpts=3", "--config.debug.nan_step=2")
   recs = {r["step"]: r for r in _metrics(workdir)}
   assert sorted(recs) == [1, 2, 3]
@@ -206,12 +198,12 @@ def test_nan_gradients_skip_the_update_and_the_run_goes_on(tmp, reference):
   assert all(int(s3[k]) == 2 for k in counts)
 
 
-def test_resume_refuses_a_changed_config_naming_each_key(tmp, reference):
+def test_resume_refuses_a_changed_config_naming_each_key(tmp, reference, shared_run):
   workdir = os.path.join(tmp, "changed")
   shutil.copytree(reference, workdir)
   with open(os.path.join(workdir, "config.json")) as f:
     before = f.read()
-  log = _train(tmp, workdir, "--config.optim.lr=1e-4", "--config.rollout.logit_noise=0.2",
+  log = _train(shared_run, workdir, "--config.optim.lr=1e-4", "--config.rollout.logit_noise=0.2",
                "--config.eval_every=3", ok=False)
   line = log.strip().splitlines()[-1]
   assert line == (f"error: {workdir} holds a run (checkpoint step {STEPS}) with other settings: "
@@ -222,7 +214,7 @@ def test_resume_refuses_a_changed_config_naming_each_key(tmp, reference):
     assert f.read() == before                    # the run's record is untouched
 
   # Asked for, the change is made, said, and both configs are kept.
-  log = _train(tmp, workdir, "--config.optim.lr=1e-4", f"--config.total_steps={STEPS + 1}",
+  log = _train(shared_run, workdir, "--config.optim.lr=1e-4", f"--config.total_steps={STEPS + 1}",
                "--allow_config_change")
   assert f"--allow_config_change: continuing from step {STEPS} with optim.lr: 3e-05 -> 0.0001" \
       in log, log[-3000:]
@@ -234,26 +226,26 @@ def test_resume_refuses_a_changed_config_naming_each_key(tmp, reference):
   assert [r["step"] for r in _metrics(workdir)][-2:] == [STEPS, STEPS + 1]
 
 
-def test_extending_total_steps_continues_and_says_so(tmp, reference):
+def test_extending_total_steps_continues_and_says_so(tmp, reference, shared_run):
   workdir = os.path.join(tmp, "extended")
   shutil.copytree(reference, workdir)
-  log = _train(tmp, workdir, f"--config.total_steps={STEPS + 2}")
+  log = _train(shared_run, workdir, f"--config.total_steps={STEPS + 2}")
   assert (f"total_steps {STEPS} -> {STEPS + 2}: extending the run from step {STEPS}; the "
           "learning-rate schedule now spans") in log, log[-3000:]
   assert [r["step"] for r in _metrics(workdir)] == list(range(0, STEPS + 3))
   # Shortening below the steps done cannot resume.
-  log = _train(tmp, workdir, "--config.total_steps=3", ok=False)
+  log = _train(shared_run, workdir, "--config.total_steps=3", ok=False)
   assert log.strip().splitlines()[-1] == (
       f"error: total_steps=3, but the run in {workdir} is at step {STEPS + 2} already; use "
       "another --workdir")
 
 
-def test_a_run_that_cannot_learn_stops_naming_why(tmp, reference):
+def test_a_run_that_cannot_learn_stops_naming_why(tmp, reference, shared_run):
   """trm.delta = 0 masks every sequence (bf16 + noise always diverge a little): no update can
   happen, so after rl.max_consecutive_skips steps the run stops instead of exiting 0."""
   del reference  # only for the base model and the compilation cache
   workdir = os.path.join(tmp, "stalled")
-  log = _train(tmp, workdir, "--config.trm.delta=0.0", "--config.rl.max_consecutive_skips=2",
+  log = _train(shared_run, workdir, "--config.trm.delta=0.0", "--config.rl.max_consecutive_skips=2",
                "--config.eval_every=0", ok=False)
   assert log.strip().splitlines()[-1] == (
       "error: stopping at step 2: every update of the last 2 steps was skipped "
