@@ -33,7 +33,7 @@ import time
 
 MODEL = dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
              head_dim=32, vocab_size=128, tie_word_embeddings=True)
-B, P, N = 16, 16, 48  # global batch, prompt length, response length (T = P + N = 64)
+B, P, R = 16, 16, 48  # global batch, prompt length, response length (T = P + R = 64)
 
 
 def _worker(n: int, layout: str, steps: int) -> dict:
@@ -56,7 +56,7 @@ def _worker(n: int, layout: str, steps: int) -> dict:
   _, update = learner.make_learner(graphdef, tx, cfg, response_start=P, state_shardings=state_sh)
 
   rng = np.random.default_rng(0)
-  T = P + N
+  T = P + R
   resp = np.broadcast_to(np.arange(T)[None] >= P, (B, T)).astype(np.float32)
   logp_roll = (-rng.uniform(0.5, 4.0, (B, T)) * resp).astype(np.float32)
   batch = shd.put_batch(learner.LearnerBatch(
@@ -123,7 +123,7 @@ def main() -> None:
             flush=True)
   result = {"what": "learner update (trm_surrogate, k3_avg mask) of a tiny decoder, fixed "
                     "global batch, per simulated CPU device count",
-            "model": MODEL, "batch": {"B": B, "P": P, "N": N}, "steps_timed": args.steps,
+            "model": MODEL, "batch": {"B": B, "P": P, "R": R}, "steps_timed": args.steps,
             "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
             "note": "simulated devices share the host's cores (a shared, loaded machine): "
                     "throughput is noisy and bounded by the cores; memory per device is the "

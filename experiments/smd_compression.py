@@ -93,11 +93,11 @@ def learner_memory(methods, fixed: dict) -> dict:
     base = warmup.ensure_base_model(c, log=lambda _: None)
     model = from_pretrained(base, dtype=jnp.float32)
     task = Task(c.task, c.seed, load_tokenizer(base), c.eval_problems)
-    P, N = task.max_prompt_len, task.max_new_tokens
+    P, R = task.max_prompt_len, task.max_new_tokens
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optax.adamw(1e-4)
-    _, update = make_learner(graphdef, tx, step.learner_config(c, N), response_start=P)
-    B, T, cfg = c.rl.batch_size, P + N, model.config
+    _, update = make_learner(graphdef, tx, step.learner_config(c, R), response_start=P)
+    B, T, cfg = c.rl.batch_size, P + R, model.config
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     batch = LearnerBatch(
         tokens=jax.ShapeDtypeStruct((B, T), jnp.int32),

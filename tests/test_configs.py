@@ -61,7 +61,7 @@ def test_paper_configs_trace_with_abstract_shapes(name, hf):
   shapes, traced with jax.eval_shape: consistent shapes, zero bytes allocated."""
   c = _with_data_paths(_load(name))
   config_lib.validate(c)
-  P, N = c.task.max_prompt_len, c.task.max_new_tokens
+  P, R = c.task.max_prompt_len, c.task.max_new_tokens
   mcfg = ModelConfig.from_hf(hf, dtype=jnp.bfloat16, remat=c.model.remat)
   abstract_model = nnx.eval_shape(lambda: Decoder(mcfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
@@ -69,9 +69,9 @@ def test_paper_configs_trace_with_abstract_shapes(name, hf):
   assert n_params > 3e9, n_params     # 4B / 8B class models
   tx = step.make_optimizer(c)
   opt_state = jax.eval_shape(tx.init, params)
-  lcfg = step.learner_config(c, max_len=N)
+  lcfg = step.learner_config(c, max_len=R)
   score, update = make_learner(graphdef, tx, lcfg, response_start=P)
-  B, T = c.rl.batch_size // c.rl.num_minibatches, P + N
+  B, T = c.rl.batch_size // c.rl.num_minibatches, P + R
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   batch = LearnerBatch(
       tokens=jax.ShapeDtypeStruct((B, T), jnp.int32),

@@ -25,7 +25,7 @@ from trm_jax.rl import optim
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-B, P, N = 8, 6, 10  # sequences, prompt length, response length; T = P + N
+B, P, R = 8, 6, 10  # sequences, prompt length, response length; T = P + R
 MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
              head_dim=8, vocab_size=64)
 
@@ -34,9 +34,9 @@ def host_batch(seed: int = 0) -> LearnerBatch:
   """A fixed rollout batch (numpy): ragged responses, mixed-sign advantages, off-policy
   logp_roll."""
   rng = np.random.default_rng(seed)
-  T = P + N
+  T = P + R
   tokens = rng.integers(3, MODEL["vocab_size"], (B, T)).astype(np.int32)
-  lengths = rng.integers(2, N + 1, B)
+  lengths = rng.integers(2, R + 1, B)
   resp = (np.arange(T)[None] >= P) & (np.arange(T)[None] < P + lengths[:, None])
   segment_ids = (np.arange(T)[None] < P + lengths[:, None]).astype(np.int32)
   logp_roll = np.where(resp, -rng.uniform(0.5, 5.0, (B, T)), 0.0).astype(np.float32)
@@ -111,7 +111,7 @@ def test_batch_is_split_over_data_and_fsdp():
   batch = shd.put_batch(host_batch(), mesh)
   s = batch.tokens.sharding
   assert isinstance(s, NamedSharding) and s.spec[0] == ("data", "fsdp")
-  assert {sh.data.shape for sh in batch.tokens.addressable_shards} == {(B // 4, P + N)}
+  assert {sh.data.shape for sh in batch.tokens.addressable_shards} == {(B // 4, P + R)}
   assert batch.advantages.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
 
 

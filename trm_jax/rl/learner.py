@@ -74,7 +74,7 @@ class LearnerConfig:
 
 @struct.dataclass
 class LearnerBatch:
-  """A rollout batch in the learner's layout; T = P + N, response region [P, T)."""
+  """A rollout batch in the learner's layout; T = P + R, response region [P, T)."""
   tokens: jax.Array          # [B, T] int32
   segment_ids: jax.Array     # [B, T] int32, 0 = padding
   response_mask: jax.Array   # [B, T] float32, 1 on generated tokens
