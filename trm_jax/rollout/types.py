@@ -161,3 +161,5 @@ class Rollout:
   topk_logp: Optional[jax.Array] = None  # [B, T, k] fp32, sorted descending
   full_logp: Optional[jax.Array] = None  # [B, T, V] fp32 (keep_full_logprobs); -inf where
                                          #   truncation removed a token, 0 off the response
+  policy_version: Optional[jax.Array] = None  # [B] int32: updates applied to the parameters
+                                              #   that sampled each row (set by the trainer)
