@@ -155,6 +155,10 @@ def test_cli_rejects_inconsistent_batch_before_any_work(tmp_path):
     ("model.dtype", "fp16", "bad config value [model.dtype]: unknown value 'fp16'; expected "
      "one of float32, bfloat16"),
     ("task.name", "math500", "bad config value [task.name]: unknown value 'math500'"),
+    ("rl.staleness", -1, "bad config value [rl.staleness]: must be an integer >= 0, got -1"),
+    ("mesh.rollout_devices", -2, "bad config value [mesh.rollout_devices]: must be an "
+     "integer >= 0, got -2"),
+    ("rl.max_staleness", 0, None),   # fine at staleness 0 (below: with staleness 2)
 ])
 def test_validate_names_the_key(key, value, msg):
   c = _load("tiny_trm.py")
@@ -163,9 +167,24 @@ def test_validate_names_the_key(key, value, msg):
   for p in parents:
     node = node[p]
   node[field] = value
+  if msg is None:
+    config_lib.validate(c)
+    return
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.validate(c)
   assert msg in str(e.value)
+
+
+def test_max_staleness_below_staleness_is_refused():
+  c = _load("tiny_trm.py")
+  c.rl.staleness, c.rl.max_staleness = 2, 1
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  assert str(e.value) == (
+      "inconsistent config [rl.max_staleness, rl.staleness]: max_staleness=1 would drop every "
+      "rollout of staleness=2; use -1 (no bound) or a value >= rl.staleness")
+  c.rl.max_staleness = 2
+  config_lib.validate(c)
 
 
 def test_compressed_cache_needs_one_budget():

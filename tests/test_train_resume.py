@@ -105,10 +105,10 @@ def reference(tmp, shared_run):
   return workdir
 
 
-def _run_and_kill(shared, workdir) -> bool:
+def _run_and_kill(shared, workdir, *overrides) -> bool:
   """Starts a run and SIGKILLs it once a checkpoint is finalized; False if it ended first."""
   ckpt = os.path.join(workdir, "ckpt")
-  proc = subprocess.Popen(_args(shared, workdir), cwd=ROOT, env=shared.env(),
+  proc = subprocess.Popen(_args(shared, workdir, *overrides), cwd=ROOT, env=shared.env(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + TIMEOUT
   try:
@@ -126,17 +126,33 @@ def _run_and_kill(shared, workdir) -> bool:
 
 
 def test_sigkill_then_resume_is_bitwise_identical(tmp, reference, shared_run):
+  _kill_and_resume(tmp, shared_run, "killed", reference)
+
+
+def test_sigkill_with_stale_rollouts_resumes_bitwise(tmp, shared_run):
+  """rl.staleness = 2: the parameter versions the next rollouts need are in the checkpoint,
+  so a run killed mid-way resumes onto the same pipeline and ends bitwise identical."""
+  stale = ("--config.rl.staleness=2",)
+  reference = os.path.join(tmp, "stale_reference")
+  _train(shared_run, reference, *stale)
+  recs = _metrics(reference)
+  assert [r["rollout/staleness"] for r in recs if "reward" in r] == [0, 1, 2, 2, 2, 2]
+  assert _state(reference, STEPS)["['history'][1]['embed']['embedding']['value']"].size > 0
+  _kill_and_resume(tmp, shared_run, "stale_killed", reference, *stale)
+
+
+def _kill_and_resume(tmp, shared_run, name, reference, *overrides):
   for attempt in range(3):  # the kill must land between the first checkpoint and the end
-    workdir = os.path.join(tmp, f"killed{attempt}")
-    if _run_and_kill(shared_run, workdir) and not os.path.exists(os.path.join(workdir, "ckpt",
-                                                                         str(STEPS))):
+    workdir = os.path.join(tmp, f"{name}{attempt}")
+    if _run_and_kill(shared_run, workdir, *overrides) and not os.path.exists(
+        os.path.join(workdir, "ckpt", str(STEPS))):
       break
   else:
     pytest.fail("could not kill the run between its first checkpoint and its end")
   done = max(r["step"] for r in _metrics_safe(os.path.join(workdir, "metrics.jsonl")))
   assert done < STEPS
 
-  log = _train(shared_run, workdir)
+  log = _train(shared_run, workdir, *overrides)
   resumed = [int(d) for d in os.listdir(os.path.join(workdir, "ckpt")) if d.isdigit()]
   assert "resumed from step " in log, log[-3000:]
   assert STEPS in resumed

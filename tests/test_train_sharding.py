@@ -117,9 +117,10 @@ def test_batch_is_split_over_data_and_fsdp():
 
 def test_mesh_from_config_fills_minus_one_and_names_bad_keys():
   c = config_lib.load_config(os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py"))
-  assert dict(train.make_mesh(c).shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+  mesh, sampler = train.make_mesh(c)
+  assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1} and sampler is None
   c.mesh.fsdp, c.mesh.tensor = 2, 2
-  assert dict(train.make_mesh(c).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert dict(train.make_mesh(c)[0].shape) == {"data": 2, "fsdp": 2, "tensor": 2}
   c.mesh.data = 3
   with pytest.raises(config_lib.ConfigError, match=r"mesh\.data=3 \* mesh\.fsdp=2 \* "
                      r"mesh\.tensor=2 = 12 devices, but 8 are present"):
@@ -130,6 +131,21 @@ def test_mesh_from_config_fills_minus_one_and_names_bad_keys():
   c.mesh.fsdp, c.mesh.tensor = -1, 2
   with pytest.raises(config_lib.ConfigError, match="at most one -1"):
     train.make_mesh(c)
+
+
+def test_disaggregated_meshes_split_the_devices():
+  c = config_lib.load_config(os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py"))
+  c.mesh.rollout_devices = 4
+  mesh, sampler = train.make_mesh(c)
+  devices = jax.devices()
+  assert list(sampler.devices.flat) == devices[:4] and dict(sampler.shape)["data"] == 4
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices[4:])
+  assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 1}
+  c.mesh.rollout_devices = 8
+  with pytest.raises(config_lib.ConfigError) as e:
+    train.make_mesh(c)
+  assert str(e.value) == ("bad config value [mesh.rollout_devices]: 8 sampler devices leave "
+                          "none of the 8 devices (jax.device_count()) to the learner")
   with pytest.raises(ValueError, match=r"mesh\.pipeline"):
     shd.mesh_from_config(dict(data=-1, pipeline=1))
 

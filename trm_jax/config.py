@@ -139,6 +139,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
   from trm_jax.rl.objectives import LOSS_AGG_MODES, OBJECTIVES
   from trm_jax.rollout.types import POLICIES
   from trm_jax.trm import CRITERIA
+  for key in ("rl.staleness", "mesh.rollout_devices"):
+    v = _get(c, key)
+    _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, [key],
+             f"must be an integer >= 0, got {v!r}")
+  _require(c.rl.max_staleness == -1 or c.rl.max_staleness >= c.rl.staleness,
+           ["rl.max_staleness", "rl.staleness"],
+           f"max_staleness={c.rl.max_staleness} would drop every rollout of staleness="
+           f"{c.rl.staleness}; use -1 (no bound) or a value >= rl.staleness")
   _positive_int(c, "total_steps", "log_every", "ckpt_every", "keep_ckpts", "rl.batch_size",
                 "rl.group_size", "rl.num_minibatches", "rl.num_microbatches",
                 "rl.num_epochs", "rl.chunk")

@@ -245,6 +245,10 @@ def put_batch(tree, mesh: Mesh, rules: Optional[Rules] = None):
     if isinstance(x, jax.Array):
       if x.sharding == sharding:
         return x
+      if x.is_fully_addressable and sharding.is_fully_addressable:
+        # One process: a copy, also between disjoint device sets (a disaggregated sampler's
+        # rollout moving to the learner's devices), which a jit cannot take.
+        return jax.device_put(x, sharding)
       # jit, not device_put: device_put cannot target devices of other processes.
       return jax.jit(lambda a: a, out_shardings=sharding)(x)
     x = np.asarray(x)

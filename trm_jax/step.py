@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -109,15 +109,40 @@ class RLContext:
   tok: Any                    # tokenizer (decodes completions for the reward)
   rng: jax.Array              # the run's base key (a function of config.seed, replicated)
   ref_params: Any = None      # frozen starting policy of the k3 KL penalty (rl.kl_beta > 0)
+  # Disaggregated sampler (mesh.rollout_devices > 0): its own mesh, where each rollout's
+  # parameters are copied to; None = colocated (the sampler uses the learner's arrays).
+  sampler_mesh: Optional[jax.sharding.Mesh] = None
+  sampler_param_sh: Any = None  # parameter shardings on sampler_mesh
+  sampler_rest: Any = None      # `rest` on sampler_mesh
 
 
 @dataclasses.dataclass
 class TrainState:
-  """What the loop carries between steps; a checkpoint holds exactly this."""
+  """What the loop carries between steps; a checkpoint holds all of it but `pending`.
+
+  Staleness (rl.staleness = k): rollout batch t is sampled with the parameters after update
+  t - 1 - k (version max(t - 1 - k, 0)). After `step` steps the next k rollouts need versions
+  step - k .. step - 1: `history` keeps them, oldest first (copies: the update donates the
+  current parameters' buffers). `pending` is the next batch's rollout, already dispatched at
+  the end of the previous step so that it runs while that step's updates do; it is a pure
+  function of `history[0]` and the step's key, so a resumed run samples it again bitwise.
+  """
   params: Any                 # nnx.Param state, sharded by logical axes
   opt_state: Any              # optax state, moments sharded like their parameters
   step: int = 0               # RL steps done
   data_pos: int = 0           # prompts consumed (index into the task's prompt stream)
+  history: tuple = ()         # k parameter trees, versions step - k .. step - 1 (k = 0: none)
+  pending: Any = None         # InFlight rollout of step + 1 (k > 0), not checkpointed
+
+
+@dataclasses.dataclass
+class InFlight:
+  """A rollout batch dispatched to the sampler, with what the step needs to use it."""
+  problems: list              # the batch's problems (rewards)
+  pb: Any                     # PromptBatch (problem ids per row)
+  ro: Any                     # Rollout (device arrays, possibly still being computed)
+  version: int                # parameter version that sampled it
+  sync: dict                  # sync/seconds, sync/bytes (disaggregated sampler only)
 
 
 def init_learner_state(model: nnx.Module, tx, mesh: jax.sharding.Mesh):
@@ -133,11 +158,13 @@ def init_learner_state(model: nnx.Module, tx, mesh: jax.sharding.Mesh):
 
 
 def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: nnx.Module,
-                 tok, task) -> tuple[RLContext, TrainState]:
+                 tok, task, sampler_mesh: Optional[jax.sharding.Mesh] = None,
+                 ) -> tuple[RLContext, TrainState]:
   """Splits the model, builds optimizer and learner; returns the context and step-0 state.
 
   AdamW's moments take their parameter's sharding, scalars (the schedule count) are
-  replicated; the learner's update returns its state with exactly these shardings.
+  replicated; the learner's update returns its state with exactly these shardings. With
+  `sampler_mesh` the sampler runs there (mesh.rollout_devices).
   """
   tx = make_optimizer(c)
   graphdef, params, rest, opt_state, state_sh = init_learner_state(model, tx, mesh)
@@ -152,12 +179,21 @@ def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: n
       top_p=r.top_p, top_k=r.top_k, keep_full_logprobs=r.keep_full_logprobs,
       keep_topk_logprobs=r.keep_topk_logprobs, logit_noise=r.logit_noise,
       router_noise_scale=r.router_noise)
+  disagg = {}
+  if sampler_mesh is not None:
+    disagg = dict(sampler_mesh=sampler_mesh,
+                  sampler_param_sh=shd.state_shardings(params, sampler_mesh),
+                  sampler_rest=jax.device_put(rest, shd.state_shardings(rest, sampler_mesh)))
   ctx = RLContext(c=c, mesh=mesh, graphdef=graphdef, rest=rest, score=score, update=update,
                   lcfg=lcfg, roll_graphdef=sampler_graphdef(model, DTYPES[r.dtype]),
                   roll=roll, cache=cache_config(c), task=task, tok=tok, rng=rng,
                   # The reference policy of the optional k3 KL penalty: the start, frozen.
-                  ref_params=jax.tree.map(jnp.copy, params) if lcfg.kl_beta > 0 else None)
-  return ctx, TrainState(params=params, opt_state=opt_state)
+                  ref_params=jax.tree.map(jnp.copy, params) if lcfg.kl_beta > 0 else None,
+                  **disagg)
+  # Before any update every stale version is the starting policy: one copy serves them all.
+  start = jax.tree.map(jnp.copy, params) if c.rl.staleness else None
+  return ctx, TrainState(params=params, opt_state=opt_state,
+                         history=(start,) * c.rl.staleness)
 
 
 # ------------------------------------------------------------------------------------------
@@ -168,29 +204,43 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   c, task = ctx.c, ctx.task
   t0 = time.time()
   step = state.step + 1
-  k_roll, k_perm = jax.random.split(jax.random.fold_in(ctx.rng, step))
+  k_perm = jax.random.split(jax.random.fold_in(ctx.rng, step))[1]
+
+  # --- (1) prompts and (2) rollout: pi_roll (sampler dtype, noise, cache, staleness) ---------
+  fl = state.pending if state.pending is not None else dispatch_rollout(ctx, state)
+  problems, pb, ro = fl.problems, fl.pb, fl.ro
+  lag = state.step - fl.version               # updates between pi_roll and pi_theta
+  # The parameters this rollout's successors need: this step's pre-update parameters join
+  # the history (copied: the update below donates their buffers).
+  history = state.history
+  if history:
+    history = history[1:] + (jax.tree.map(jnp.copy, state.params),)
   n_prompts = c.rl.batch_size // c.rl.group_size
-
-  # --- (1) prompts --------------------------------------------------------------------------
-  problems = task.batch(state.data_pos, n_prompts)
-  pb = task.prompts(problems, c.rl.group_size)
-
-  # --- (2) rollout: pi_roll (sampler dtype, noise, cache) ------------------------------------
-  ro = sample(ctx, state.params, pb, k_roll)
-  t_roll = time.time() - t0
+  rollout_metrics = {"rollout/staleness": float(lag), "rollout/policy_version": float(fl.version),
+                     "rollout/cache_bytes": float(ro.stats.cache_bytes), **fl.sync}
+  if 0 <= c.rl.max_staleness < lag:
+    # Too old to learn from: dropped and counted; the parameters stay as they are.
+    rollout_metrics["rollout/dropped_stale"] = 1.0
+    next_state = TrainState(params=state.params, opt_state=state.opt_state, step=step,
+                            data_pos=state.data_pos + n_prompts, history=history)
+    return _dispatch_next(ctx, next_state), rollout_metrics
 
   # --- (3) rewards ---------------------------------------------------------------------------
   rewards = rewards_of(ctx.tok, ro, problems, pb.problem_ids, task.max_prompt_len)
+  t_roll = time.time() - t0
 
-  # --- (4) score: pi_theta on the rollout, TRM mask and monitors ------------------------------
-  resp = ro.response_mask.astype(jnp.float32)
-  batch = LearnerBatch(tokens=ro.tokens, segment_ids=ro.segment_ids, response_mask=resp,
-                       logp_roll=ro.logp, advantages=jnp.zeros(resp.shape[:1], jnp.float32),
-                       logp_old=ro.logp, token_weights=jnp.ones_like(resp),
-                       evicted_at=ro.evicted_at if ctx.lcfg.mode == "smd" else None,
-                       roll_logp_full=ro.full_logp, roll_topk_logp=ro.topk_logp,
-                       roll_topk_ids=ro.topk_ids)
-  batch = shd.put_batch(batch, ctx.mesh)
+  # --- (4) score: pi_theta (the current parameters) on the rollout, TRM mask and monitors -----
+  B, T = ro.tokens.shape
+  # Onto the learner's devices first (the sampler's may be others), then computed on.
+  batch = shd.put_batch(LearnerBatch(
+      tokens=ro.tokens, segment_ids=ro.segment_ids, response_mask=ro.response_mask,
+      logp_roll=ro.logp, advantages=np.zeros(B, np.float32), logp_old=ro.logp,
+      token_weights=np.ones((B, T), np.float32),
+      evicted_at=ro.evicted_at if ctx.lcfg.mode == "smd" else None,
+      roll_logp_full=ro.full_logp, roll_topk_logp=ro.topk_logp, roll_topk_ids=ro.topk_ids),
+      ctx.mesh)
+  resp = batch.response_mask.astype(jnp.float32)
+  batch = batch.replace(response_mask=resp)
   with oom_hints("learner score pass"):
     logp_old, weights, seq_mask, metrics = ctx.score(state.params, ctx.rest, batch)
   batch = batch.replace(logp_old=logp_old, token_weights=weights)
@@ -221,6 +271,9 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
       with oom_hints("learner update"):
         params, opt_state, aux = ctx.update(params, opt_state, ctx.rest, mb)
       upd.append(aux)
+  next_state = _dispatch_next(ctx, TrainState(
+      params=params, opt_state=opt_state, step=step, data_pos=state.data_pos + n_prompts,
+      history=history))
 
   # --- metrics --------------------------------------------------------------------------------
   metrics = {k: float(v) for k, v in metrics.items()}
@@ -229,21 +282,57 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   n_tok = float(jnp.sum(resp))
   dt = time.time() - t0
   metrics.update({"reward": float(rewards.mean()), "accuracy": float((rewards > 0.5).mean()),
-                  "response_len": n_tok / rewards.shape[0],
-                  "rollout/cache_bytes": float(ro.stats.cache_bytes),
+                  "response_len": n_tok / rewards.shape[0], **rollout_metrics,
                   "time/rollout_s": t_roll, "time/step_s": dt,
                   "throughput/tokens_per_s": n_tok / max(dt, 1e-9)})
-  return TrainState(params=params, opt_state=opt_state, step=step,
-                    data_pos=state.data_pos + n_prompts), metrics
+  return next_state, metrics
+
+
+def dispatch_rollout(ctx: RLContext, state: TrainState) -> InFlight:
+  """Prompts and the rollout of batch state.step + 1, sampled with parameter version
+  max(state.step - k, 0): `history[0]` when rl.staleness = k > 0, else the current ones.
+
+  Returns without waiting for the sampler (jax dispatches asynchronously); with a
+  disaggregated sampler the parameters are first copied to its devices (timed and sized).
+  """
+  c, task = ctx.c, ctx.task
+  step = state.step + 1
+  k_roll = jax.random.split(jax.random.fold_in(ctx.rng, step))[0]
+  problems = task.batch(state.data_pos, c.rl.batch_size // c.rl.group_size)
+  pb = task.prompts(problems, c.rl.group_size)
+  params = state.history[0] if state.history else state.params
+  version = max(state.step - len(state.history), 0)
+  sync = {}
+  if ctx.sampler_mesh is not None:
+    t0 = time.time()
+    params = jax.block_until_ready(jax.device_put(params, ctx.sampler_param_sh))
+    sync = {"sync/seconds": time.time() - t0,
+            "sync/bytes": float(sum(x.nbytes for x in jax.tree.leaves(params)))}
+  ro = sample(ctx, params, pb, k_roll)
+  ro = ro.replace(policy_version=np.full(ro.tokens.shape[0], version, np.int32))
+  return InFlight(problems=problems, pb=pb, ro=ro, version=version, sync=sync)
+
+
+def _dispatch_next(ctx: RLContext, state: TrainState) -> TrainState:
+  """With staleness the next batch's parameters exist already: start its rollout now, so it
+  runs while this step's updates (dispatched, not finished) do."""
+  if state.history and state.step < ctx.c.total_steps:
+    state.pending = dispatch_rollout(ctx, state)
+  return state
 
 
 def sample(ctx: RLContext, params, pb, key: jax.Array):
   """Training rollouts of a prompt batch: pi_roll (the sampler's dtype, noise, truncation and
-  KV cache)."""
-  state = nnx.merge_state(params, ctx.rest)
+  KV cache), on the sampler's mesh (the learner's when colocated)."""
+  mesh = ctx.sampler_mesh or ctx.mesh
+  rest = ctx.rest
+  if ctx.sampler_mesh is not None:
+    rest = ctx.sampler_rest
+    key = jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
+  state = nnx.merge_state(params, rest)
   # Lengths stay on the host: the sampler checks them there (and a [B] vector is cheap).
-  with oom_hints("rollout"):
-    return generate_from_state(ctx.roll_graphdef, state, shd.put_batch(pb.tokens, ctx.mesh),
+  with oom_hints("rollout"), jax.set_mesh(mesh):
+    return generate_from_state(ctx.roll_graphdef, state, shd.put_batch(pb.tokens, mesh),
                                pb.lengths, key=key, sampling_config=ctx.roll,
                                cache_config=ctx.cache, attn_impl=ctx.c.model.attn_impl)
 

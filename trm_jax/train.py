@@ -41,6 +41,7 @@ import resource
 import shutil
 import sys
 import time
+from typing import Optional
 
 import jax
 import ml_collections
@@ -96,12 +97,29 @@ def init_distributed() -> bool:
   return True
 
 
-def make_mesh(c: ml_collections.ConfigDict) -> jax.sharding.Mesh:
-  """The (data, fsdp, tensor) mesh of `config.mesh` over every device of every process."""
+def make_mesh(c: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, Optional[jax.sharding.Mesh]]:
+  """(learner mesh, sampler mesh or None) from `config.mesh`.
+
+  Colocated (mesh.rollout_devices = 0): one (data, fsdp, tensor) mesh over every device of
+  every process, shared by sampler and learner. Disaggregated (n > 0): the sampler gets the
+  first n devices (a data-parallel mesh of its own), the learner the config's axes over the
+  rest; parameters are copied to the sampler for every rollout (step.dispatch_rollout).
+  """
+  axes = {k: v for k, v in c.mesh.items() if k != "rollout_devices"}
+  n, devices = c.mesh.rollout_devices, jax.devices()
+  if n >= len(devices):
+    raise config_lib.ConfigError(
+        f"bad config value [mesh.rollout_devices]: {n} sampler devices leave none of the "
+        f"{len(devices)} devices (jax.device_count()) to the learner")
+  if n and jax.process_count() > 1:
+    raise config_lib.ConfigError(
+        "mesh.rollout_devices > 0 needs a single process (the parameter copy to the sampler's "
+        f"devices is a device_put); this job has {jax.process_count()} processes")
   try:
-    return shd.mesh_from_config(dict(c.mesh), key="mesh")
+    learner = shd.mesh_from_config(axes, devices[n:], key="mesh")
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from e
+  return learner, (shd.make_mesh({"data": n}, devices[:n]) if n else None)
 
 
 def wait_for_base_model(c: ml_collections.ConfigDict, timeout_s: float = 3 * 3600) -> str:
@@ -150,24 +168,26 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
   # SIGKILL). Process 0 holds it for a multi-process job.
   lock = wd.WorkdirLock(workdir) if jax.process_index() == 0 else None
   try:
-    mesh = make_mesh(c)
-    log.info("mesh %s over %d devices, %d processes", dict(mesh.shape), mesh.size,
-             jax.process_count())
+    mesh, sampler_mesh = make_mesh(c)
+    log.info("mesh %s over %d devices, %d processes%s", dict(mesh.shape), mesh.size,
+             jax.process_count(), "" if sampler_mesh is None else
+             f"; sampler on its own {sampler_mesh.size} devices")
     # Outside the mesh context: the warm-up is a process-local job (its arrays are not global).
     base = (warmup.ensure_base_model(c, log=log.info) if jax.process_index() == 0 else
             wait_for_base_model(c))
     # Inside the mesh context the model's block-boundary activation constraints (residual
     # stream over (data, fsdp), sharding.constrain) are live in the sampler and the learner.
     with jax.set_mesh(mesh):
-      return _run(c, workdir, mesh, base, progress=progress,
+      return _run(c, workdir, mesh, sampler_mesh, base, progress=progress,
                   allow_config_change=allow_config_change)
   finally:
     if lock is not None:
       lock.release()
 
 
-def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, base: str, *,
-         progress: bool, allow_config_change: bool) -> dict:
+def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
+         sampler_mesh: Optional[jax.sharding.Mesh], base: str, *, progress: bool,
+         allow_config_change: bool) -> dict:
   lead = jax.process_index() == 0  # writes metrics, plots, summary and the HF export
   # --- Model, tokenizer, task, learner --------------------------------------------------------
   model = from_pretrained(base, dtype=step_lib.DTYPES[c.model.dtype], remat=c.model.remat,
@@ -176,7 +196,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh, ba
   check_tokenizer_fits(tok, model.config.vocab_size)
   task = Task(c.task, seed=c.seed, tokenizer=tok, eval_problems=c.eval_problems)
   step_lib.warn_truncation(c)
-  ctx, state = step_lib.make_context(c, mesh, model, tok, task)
+  ctx, state = step_lib.make_context(c, mesh, model, tok, task, sampler_mesh)
   del model
 
   # --- Resume ---------------------------------------------------------------------------------
@@ -273,7 +293,7 @@ def _loop(c: ml_collections.ConfigDict, ctx: step_lib.RLContext, state: step_lib
       logger.log(state.step, metrics)
     if stalled:
       raise TrainingStalledError(_stall_message(c, state.step, skipped_run))
-    ckpt.maybe_save(state.step, {"params": state.params, "opt_state": state.opt_state},
+    ckpt.maybe_save(state.step, checkpointed(state),
                     meta={"step": state.step, "data_pos": state.data_pos,
                           "config": config_json},
                     force=state.step == c.total_steps)
@@ -285,7 +305,7 @@ def resume(ckpt: Checkpointer, state: step_lib.TrainState, config_json: dict, wo
   """(state, resumed): the newest good checkpoint's state, if there is one and its config
   allows continuing (see `workdir.config_changes`); else `state` unchanged."""
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          {"params": state.params, "opt_state": state.opt_state})
+                          checkpointed(state))
   restored = ckpt.restore_latest(abstract)
   if restored is None:
     return state, False
@@ -319,7 +339,18 @@ def resume(ckpt: Checkpointer, state: step_lib.TrainState, config_json: dict, wo
                   "is kept in %s)", step, wd.describe(changes), kept)
   log.info("resumed from step %d (data position %d)", step, meta["data_pos"])
   return step_lib.TrainState(params=arrays["params"], opt_state=arrays["opt_state"], step=step,
-                             data_pos=int(meta["data_pos"])), True
+                             data_pos=int(meta["data_pos"]),
+                             history=tuple(arrays.get("history", ()))), True
+
+
+def checkpointed(state: step_lib.TrainState) -> dict:
+  """The arrays a checkpoint holds: parameters, optimizer state and, with rl.staleness = k,
+  the k parameter versions the next rollouts are sampled with (the in-flight pipeline; the
+  pending rollout itself is recomputed from them on resume)."""
+  out = {"params": state.params, "opt_state": state.opt_state}
+  if state.history:
+    out["history"] = list(state.history)
+  return out
 
 
 def _stall_message(c: ml_collections.ConfigDict, step: int, run: list) -> str:

@@ -54,5 +54,5 @@ def get_config(arg=None):
   c.optim.lr = 1e-6
   c.optim.warmup_steps = 10
   c.optim.weight_decay = 0.01
-  c.mesh = dict(data=1, fsdp=-1, tensor=1)
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
   return c

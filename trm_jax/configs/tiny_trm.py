@@ -97,6 +97,11 @@ def get_config(arg=None):
   c.rl.tis_cap = 2.0               # tis truncation C
   c.rl.chunk = 64                  # positions per vocabulary projection in the learner
   c.rl.kl_beta = 0.0               # k3 KL penalty to the frozen starting policy (0 = off)
+  c.rl.staleness = 0               # k: rollout batch t samples with the parameters after update
+                                   #   t - 1 - k (0 = synchronous; k > 0 overlaps the next
+                                   #   rollout with this step's updates)
+  c.rl.max_staleness = -1          # drop (and count) a rollout batch more than this many
+                                   #   updates old (-1 = no bound; else >= rl.staleness)
   c.rl.max_consecutive_skips = 10  # stop the run after this many consecutive steps whose
                                    #   updates were all skipped (non-finite, or every sequence
                                    #   masked): such a run cannot learn (0 = never stop)
@@ -129,8 +134,9 @@ def get_config(arg=None):
   c.optim.eps = 1e-8
   c.optim.clip_norm = 1.0
 
-  # Mesh (-1 = all remaining devices)
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  # Mesh (-1 = all remaining devices). rollout_devices = n > 0 puts the sampler on the first n
+  # devices and the learner's (data, fsdp, tensor) mesh on the rest (0 = colocated).
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, rollout_devices=0))
 
   # Debug (fault-injection for tests; leave at 0)
   c.debug = ml_collections.ConfigDict()
