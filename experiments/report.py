@@ -137,7 +137,8 @@ def fmt_values(vals) -> str:
 
 # --- The command line and run loop both experiment scripts share ------------------------------
 
-def add_run_args(p, name: str, *, seeds: str, batch: int, eval_problems: int) -> None:
+def add_run_args(p, name: str, *, seeds: str, batch: int, eval_problems: int,
+                 lr: float = 3e-5) -> None:
   """Flags every experiment has: size, learning rate, parallelism, directories, overrides."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   p.add_argument("--seeds", default=seeds)
@@ -146,7 +147,7 @@ def add_run_args(p, name: str, *, seeds: str, batch: int, eval_problems: int) ->
   # 3e-5: with 4-8 prompts per step, lr 1e-4 and above left every method below the untrained
   # policy on held-out problems (experiments/results/lr_batch: a gradient-noise effect, gone
   # at 4x the batch).
-  p.add_argument("--lr", type=float, default=3e-5)
+  p.add_argument("--lr", type=float, default=lr)
   p.add_argument("--eval-problems", type=int, default=eval_problems)
   p.add_argument("--parallel", type=int, default=2)
   p.add_argument("--workdir", default=os.path.join(repo, "experiments", "out", name))

@@ -102,6 +102,27 @@ def test_smd_compression_end_to_end(tmp_path):
   assert "(skipped)" in summary.split("## Learner memory")[1].split("##")[0]
 
 
+def test_staleness_end_to_end(tmp_path):
+  _run("staleness", tmp_path, "--methods", "trm_max_kl", "--staleness", "0,1")
+  with open(tmp_path / "out" / "results.csv") as f:
+    rows = {r["cell"]: r for r in csv.DictReader(f)}
+  assert set(rows) == {"method=trm_max_kl,k=0,seed=0", "method=trm_max_kl,k=1,seed=0",
+                       "method=frozen,seed=0"}
+  assert rows["method=trm_max_kl,k=1,seed=0"]["rl.staleness"] == "1"
+  # Step 2 of a k = 1 run is sampled by version 0 while the learner is at version 1.
+  with open(tmp_path / "w" / "cells" / "method=trm_max_kl,k=1,seed=0" / "metrics.jsonl") as f:
+    recs = [json.loads(line) for line in f if '"reward"' in line]
+  assert [r["rollout/staleness"] for r in recs] == [0.0, 1.0]
+  # Staleness is the only mismatch: at k = 0 sampler and learner agree to rounding.
+  with open(tmp_path / "w" / "cells" / "method=trm_max_kl,k=0,seed=0" / "metrics.jsonl") as f:
+    recs0 = [json.loads(line) for line in f if '"reward"' in line]
+  assert max(r["trm/delta_hat"] for r in recs0) < 1e-5
+  summary = (tmp_path / "out" / "summary.md").read_text()
+  line = next(l for l in summary.splitlines() if l.startswith("| trm_max_kl | 1 |"))
+  assert line.split(" | ")[2] == f"{np.mean([r['trm/delta_hat'] for r in recs]):.3f}"
+  assert "## What these runs show" in summary
+
+
 def test_report_helpers():
   recs = [{"trm/reject_rate/len_0_16": 0.5, "trm/reject_rate/len_0_16/count": 2,
            "trm/reject_rate/len_16_32": 0.0, "trm/reject_rate/len_16_32/count": 0},
