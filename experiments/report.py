@@ -57,6 +57,22 @@ def write_text(path: str, text: str) -> None:
   os.replace(tmp, path)
 
 
+def write_summary(out: str, sections: Sequence[str]) -> str:
+  """OUT/summary.md from markdown sections (blank line between them); returns the text."""
+  text = "\n\n".join(sections) + "\n"
+  write_text(os.path.join(out, "summary.md"), text)
+  return text
+
+
+def choices(p, value: str, known, what: str = "method") -> list[str]:
+  """The comma-separated `value` as a list; an unknown entry is an argparse error naming it."""
+  items = [x for x in value.split(",") if x]
+  unknown = [x for x in items if x not in known]
+  if unknown:
+    p.error(f"unknown {what}(s) {unknown}; known: {list(known)}")
+  return items
+
+
 def first_last_mean(values: np.ndarray, frac: float = 0.1) -> tuple[float, float]:
   """Means of the first and last `frac` of the finite values (at least one each)."""
   v = values[np.isfinite(values)]

@@ -212,7 +212,7 @@ def write_summary(out: str, stats: dict, methods, lambdas, memory: dict, args,
 
   mem_rows = [[m, f"{b / 2**20:.1f}"] for m, b in memory.items()]
   n_seeds = max(len(s["reward_last"]) for s in stats.values())
-  text = "\n\n".join([
+  return report.write_summary(out, [
       "# SMD under KV-cache compression",
       f"{len(stats)} settings x {n_seeds} seed(s), {args.steps} RL steps each, lr {args.lr}; "
       f"config `trm_jax/configs/tiny_smd.py`, TRM masking off. Training span {wall_s / 60:.1f} min "
@@ -234,9 +234,7 @@ def write_summary(out: str, stats: dict, methods, lambdas, memory: dict, args,
       "## The SMD paper's claims on these runs",
       "\n".join(claims(stats, methods, lambdas)),
       "![curves](curves.png)",
-  ]) + "\n"
-  report.write_text(os.path.join(out, "summary.md"), text)
-  return text
+  ])
 
 
 def main(argv=None) -> int:
@@ -249,10 +247,7 @@ def main(argv=None) -> int:
   p.add_argument("--skip-memory", action="store_true", help="do not compile for memory")
   report.add_run_args(p, "smd_compression", seeds="0", batch=64, eval_problems=64)
   args = p.parse_args(argv)
-  policies = [x for x in args.policies.split(",") if x]
-  bad = [x for x in policies if x not in POLICIES]
-  if bad:
-    p.error(f"unknown policy {bad}; known: {POLICIES}")
+  policies = report.choices(p, args.policies, POLICIES, "policy")
   methods = args.methods.split(",")
   for m in methods:
     method_overrides(m)

@@ -138,7 +138,7 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
            fmt(s["greedy_last"]), fmt(s["reward_first"]), fmt(s["reward_last"])]
           for (m, k), s in stats.items()]
   n_seeds = max(len(s["seed"]) for s in stats.values())
-  text = "\n\n".join([
+  return report.write_summary(out, [
       "# Stale rollouts: rl.staleness = k (the sampler lags the learner by k updates)",
       f"{len(stats)} (method, k) groups x {n_seeds} seeds, {args.steps} RL steps each, "
       f"{args.batch} rollouts per step, lr {args.lr}; config `trm_jax/configs/tiny_trm.py` "
@@ -151,9 +151,7 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
       "## What these runs show",
       "\n".join(claims(stats)),
       "![curves](curves.png)",
-  ]) + "\n"
-  report.write_text(os.path.join(out, "summary.md"), text)
-  return text
+  ])
 
 
 def main(argv=None) -> int:
@@ -163,10 +161,7 @@ def main(argv=None) -> int:
   report.add_run_args(p, "staleness", seeds="0,1", batch=64, eval_problems=64, lr=1e-4)
   p.add_argument("--eval-samples", type=int, default=4, help="k of the held-out avg@k")
   args = p.parse_args(argv)
-  methods = args.methods.split(",")
-  unknown = [m for m in methods if m not in METHODS]
-  if unknown:
-    p.error(f"unknown method(s) {unknown}; known: {list(METHODS)}")
+  methods = report.choices(p, args.methods, METHODS)
   ks = [int(k) for k in args.staleness.split(",")]
   fixed = report.fixed_overrides(args, eval_every=args.steps, eval_samples=args.eval_samples)
   cells, groups = build_cells(methods, ks, [int(s) for s in args.seeds.split(",")], fixed)

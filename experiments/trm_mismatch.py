@@ -199,7 +199,7 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
   brows = [[m] + [report.fmt_values(s["buckets"].get(b, [])) for b in names]
            for m, s in stats.items() if m not in TOKEN_LEVEL + (CONTROL,)]
   n_seeds = max(len(s["reward_last"]) for s in stats.values())
-  text = "\n\n".join([
+  return report.write_summary(out, [
       "# TRM under injected mismatch (MoE router jitter + bf16 rollout)",
       f"{len(stats)} methods x {n_seeds} seeds, {args.steps} RL steps each, router noise "
       f"{args.router_noise}, lr {args.lr}; config `trm_jax/configs/tiny_moe_mismatch.py`. "
@@ -216,9 +216,7 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
       "## The paper's claims on these runs",
       "\n".join(claims(stats)),
       "![curves](curves.png)\n\n![rejection by length](reject_by_length.png)",
-  ]) + "\n"
-  report.write_text(os.path.join(out, "summary.md"), text)
-  return text
+  ])
 
 
 def main(argv=None) -> int:
@@ -228,10 +226,7 @@ def main(argv=None) -> int:
   report.add_run_args(p, "trm_mismatch", seeds="0,1,2", batch=32, eval_problems=32)
   p.add_argument("--eval-samples", type=int, default=4, help="k of the held-out avg@k")
   args = p.parse_args(argv)
-  methods = args.methods.split(",")
-  unknown = [m for m in methods if m not in METHODS]
-  if unknown:
-    p.error(f"unknown method(s) {unknown}; known: {list(METHODS)}")
+  methods = report.choices(p, args.methods, METHODS)
   # Held-out evaluation at step 0 and at the end (eval_every = steps).
   fixed = report.fixed_overrides(args, **{"rollout.router_noise": args.router_noise,
                                           "eval_every": args.steps,
