@@ -10,6 +10,7 @@ from trm_jax.kernels.visibility import Visibility
 from trm_jax.models import make_test_model
 from trm_jax.rollout import CacheConfig, SamplingConfig, generate, run_phase, token_logprobs
 from trm_jax.rollout.sampler import stream_keys
+from trm_jax.rollout.sampling import gaussian_noise
 
 P, R = 8, 6
 LENS = np.array([8, 3], np.int32)
@@ -39,7 +40,7 @@ def test_noisy_truncated_sampling_is_replayed_exactly(model):
   # The sampler drew token i + 1 from logits[i] + noise(i) (noise keyed by query index i).
   k_noise = stream_keys(KEY)[1]
   idx = np.arange(P - 1, P + R - 1)
-  noise = jnp.stack([jax.random.normal(jax.random.fold_in(k_noise, i), (2, 128)) for i in idx],
+  noise = jnp.stack([gaussian_noise(jax.random.fold_in(k_noise, i), (2, 128)) for i in idx],
                     axis=1)                                               # [B, R, V]
   noisy = logits[:, idx] + 0.5 * noise
   want = token_logprobs(noisy, r.tokens[:, idx + 1], scfg)

@@ -302,6 +302,7 @@ def test_sparse_rl_reports_wasted_fraction(split, rollouts, scorer):
   shift = jnp.zeros_like(ro.logp).at[0].set(-math.log(3.0)).at[1, P + 2].set(12.0)
   cases.append(("h2o 0.5 + injected", ro, batch.replace(
       logp_roll=ro.logp + shift * batch.response_mask)))
+  outside = []
   for label, ro, batch in cases:
     logp_dense, _, _, _ = scorer("naive")(params, rest, batch)
     _, weights, _, met = scorer("sparse_rl")(params, rest, batch)
@@ -311,6 +312,8 @@ def test_sparse_rl_reports_wasted_fraction(split, rollouts, scorer):
     assert float(met["sparse_rl/wasted_frac"]) == pytest.approx(wasted, abs=1e-7)
     assert float(met["sparse_rl/veto_frac"]) == pytest.approx(veto, abs=1e-7)
     np.testing.assert_allclose(np.asarray(weights), w, rtol=1e-5, atol=1e-6)
-    # The mismatch is real: some token fell outside Sparse-RL's [0.5, 1.5] band.
-    assert kept < n
+    outside.append(kept < n)
+  # The mismatch is real: in the real rollouts (whether a given draw leaves the band depends on
+  # the tokens sampled) and in the injected case, some token fell outside [0.5, 1.5].
+  assert any(outside[:-1]) and outside[-1]
   assert wasted >= 0.5 and veto >= 0.25          # the injected case exercises both counters

@@ -29,8 +29,9 @@ class KVCache:
   k: jax.Array          # [B, K, C, H] keys (RoPE applied), compute dtype
   v: jax.Array          # [B, K, C, H] values
   pos: jax.Array        # [B, K, C] int32 array index of the key in each slot, -1 = empty
-  score: jax.Array      # [B, K, C] fp32 per-slot score the policy keeps (H2O: accumulated
-                        #   attention), reset to 0 when a key is written; 0 otherwise
+  score: Optional[jax.Array] = None  # [B, K, C] fp32 per-slot score the policy keeps (H2O:
+                        #   accumulated attention), reset to 0 when a key is written; None for
+                        #   policies that keep none (nothing to carry or write per step)
   evicted_at: Optional[jax.Array] = None  # [B, K, T] int32 retention record: key j was
                         #   visible to queries j <= i < evicted_at[b, k, j]; None = no record
 
@@ -60,6 +61,24 @@ class CachePolicy(Protocol):
     ...
 
 
+def _bits(x: jax.Array) -> jax.Array:
+  """16-bit floats viewed as uint16 (a free bitcast), other dtypes unchanged.
+
+  Why: XLA:CPU has no bf16 dynamic-update-slice or scatter; it rewrites one into a conversion
+  of the whole cache to fp32 and back, a full pass over every layer's K and V at every decode
+  step. The same update on the uint16 view stays in place.
+  """
+  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
+    return jax.lax.bitcast_convert_type(x, jnp.uint16)
+  return x
+
+
+def _update(buf: jax.Array, new: jax.Array, put) -> jax.Array:
+  """put(bits of buf, bits of new) in buf's dtype (see `_bits`)."""
+  out = put(_bits(buf), _bits(new.astype(buf.dtype)))
+  return out if out.dtype == buf.dtype else jax.lax.bitcast_convert_type(out, buf.dtype)
+
+
 def write(cache: KVCache, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
           index: jax.Array) -> KVCache:
   """Writes the key at array index `index` into `slot` (see `CachePolicy.free_slot`).
@@ -72,21 +91,21 @@ def write(cache: KVCache, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
   B, K = cache.pos.shape[:2]
   if jnp.ndim(slot) == 0:
     at = (0, 0, slot)
+    dus = lambda buf, new: jax.lax.dynamic_update_slice(buf, new, at + (0,) * (buf.ndim - 3))
+    score = None if cache.score is None else dus(cache.score, jnp.zeros((B, K, 1), jnp.float32))
     return cache.replace(
-        k=jax.lax.dynamic_update_slice(cache.k, k_new[:, :, None].astype(cache.k.dtype),
-                                       at + (0,)),
-        v=jax.lax.dynamic_update_slice(cache.v, v_new[:, :, None].astype(cache.v.dtype),
-                                       at + (0,)),
-        pos=jax.lax.dynamic_update_slice(cache.pos, jnp.full((B, K, 1), index, jnp.int32), at),
-        score=jax.lax.dynamic_update_slice(cache.score, jnp.zeros((B, K, 1), jnp.float32),
-                                           at))
+        k=_update(cache.k, k_new[:, :, None], dus),
+        v=_update(cache.v, v_new[:, :, None], dus),
+        pos=dus(cache.pos, jnp.full((B, K, 1), index, jnp.int32)),
+        score=score)
   b = jnp.arange(B)[:, None]
   h = jnp.arange(K)[None, :]
+  scatter = lambda buf, new: buf.at[b, h, slot].set(new)
   return cache.replace(
-      k=cache.k.at[b, h, slot].set(k_new.astype(cache.k.dtype)),
-      v=cache.v.at[b, h, slot].set(v_new.astype(cache.v.dtype)),
+      k=_update(cache.k, k_new, scatter),
+      v=_update(cache.v, v_new, scatter),
       pos=cache.pos.at[b, h, slot].set(jnp.asarray(index).astype(jnp.int32)),
-      score=cache.score.at[b, h, slot].set(0.0))
+      score=None if cache.score is None else cache.score.at[b, h, slot].set(0.0))
 
 
 def attend(q: jax.Array, cache: KVCache, *, scale: Optional[float] = None):

@@ -9,6 +9,14 @@ normalised activations to the compute dtype, then multiplies by the weight; atte
 softmax are fp32 (`trm_jax.kernels.attention`); the MoE router softmax is fp32. Deviation: RoPE
 rotates in fp32 and casts once (transformers rounds cos/sin to the compute dtype first), which
 only differs below bf16 precision.
+
+Cached decoding (a `CachePolicy` is given: prefill and decode steps, never differentiated) runs
+its projections through `project(..., inference=True)`: fp32 accumulation requested explicitly,
+one rounding to the compute dtype. That is the arithmetic XLA uses for a bf16 matmul anyway, but
+said this way XLA:CPU keeps bf16 weights in bf16 (otherwise it converts every bf16 weight to fp32
+once per call and the decode loop reads twice the bytes), and the attention output is
+contracted as one [N*H] dimension so no weight is re-laid-out inside the loop. The learner's
+forward (no policy) keeps the plain einsums, so its backward pass is unchanged.
 """
 from __future__ import annotations
 
@@ -49,6 +57,19 @@ def _normal(key: jax.Array, shape: Tuple[int, ...], dtype) -> jax.Array:
     return jax.pure_callback(functools.partial(_host_normal, shape=shape, dtype=dtype),
                              jax.ShapeDtypeStruct(shape, dtype), data)
   return jnp.asarray(_host_normal(np.asarray(data), shape, dtype))
+
+
+def project(eq: str, x: jax.Array, w: jax.Array, dtype, *, inference: bool = False) -> jax.Array:
+  """`einsum(eq, x, w)` in the compute dtype.
+
+  inference=True (no backward pass will run): fp32 accumulation, rounded once to `dtype`. For
+  fp32 it is the same computation; for bf16 it is the arithmetic of a bf16 matmul on every
+  backend, and on XLA:CPU it keeps the weight in bf16 (see the module docstring).
+  """
+  x, w = x.astype(dtype), w.astype(dtype)
+  if not inference:
+    return jnp.einsum(eq, x, w)
+  return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32).astype(dtype)
 
 
 def param(rngs: Optional[nnx.Rngs], shape: Sequence[int], axes: Sequence[Optional[str]],
@@ -136,13 +157,15 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(H, cfg)
       self.k_norm = RMSNorm(H, cfg)
 
-  def qkv(self, x: jax.Array, positions: jax.Array):
-    """x [B, T, D], positions [B, T] -> q [B, T, N, H], k/v [B, T, K, H] (normed, rotated)."""
+  def qkv(self, x: jax.Array, positions: jax.Array, *, inference: bool = False):
+    """x [B, T, D], positions [B, T] -> q [B, T, N, H], k/v [B, T, K, H] (normed, rotated).
+
+    inference: see `project` (cached decoding)."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
     x = x.astype(dt)
-    q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dt))
-    k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dt))
-    v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dt))
+    q = project("BTD,DNH->BTNH", x, self.q_proj[...], dt, inference=inference)
+    k = project("BTD,DKH->BTKH", x, self.k_proj[...], dt, inference=inference)
+    v = project("BTD,DKH->BTKH", x, self.v_proj[...], dt, inference=inference)
     if cfg.qkv_bias:
       q = q + self.q_bias[...].astype(dt)
       k = k + self.k_bias[...].astype(dt)
@@ -152,10 +175,17 @@ class Attention(nnx.Module):
     inv_freq = rope_inv_freq(cfg)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-  def out(self, o: jax.Array) -> jax.Array:
-    """o [B, T, N, H] -> [B, T, D]."""
+  def out(self, o: jax.Array, *, inference: bool = False) -> jax.Array:
+    """o [B, T, N, H] -> [B, T, D]. inference: see `project` (cached decoding)."""
     dt = self.cfg.compute_dtype
-    y = jnp.einsum("BTNH,NHD->BTD", o.astype(dt), self.o_proj[...].astype(dt))
+    if inference:
+      # One contracted [N*H] dimension (reshapes of row-major arrays are free): contracting
+      # (N, H) as two dimensions, XLA:CPU re-lays the [N, H, D] weight out at every step.
+      B, T, N, H = o.shape
+      y = project("BTE,ED->BTD", o.reshape(B, T, N * H),
+                  self.o_proj[...].reshape(N * H, -1), dt, inference=True)
+    else:
+      y = jnp.einsum("BTNH,NHD->BTD", o.astype(dt), self.o_proj[...].astype(dt))
     if self.cfg.o_bias:
       y = y + self.o_bias[...].astype(dt)
     return y
@@ -176,21 +206,24 @@ class Attention(nnx.Module):
         where `policy.free_slot` says, the query attends over the cache's filled slots, and
         `policy.observe` sees the attention probabilities. `vis` is ignored.
     """
-    q, k, v = self.qkv(x, positions)
     if policy is None:
       if cache is not None:
         raise ValueError("Attention got a cache without the policy that evicts it")
+      q, k, v = self.qkv(x, positions)
       return self.out(attention(q, k, v, vis, impl=impl)), None
+    q, k, v = self.qkv(x, positions, inference=True)
     if cache is None:
-      return (self.out(attention(q, k, v, vis, impl=impl)),
+      return (self.out(attention(q, k, v, vis, impl=impl), inference=True),
               policy.prefill(self.layer_idx, q, k, v))
     if x.shape[1] != 1 or index is None:
       raise ValueError(f"cached attention decodes one token per row at a given index; got x "
                        f"{tuple(x.shape)} and index={index}")
-    cache, slot = policy.free_slot(self.layer_idx, cache, index)
-    cache = kv_cache.write(cache, slot, k[:, 0], v[:, 0], index)
-    o, probs = kv_cache.attend(q[:, 0], cache)                      # probs [B, K, G, C]
-    return self.out(o[:, None]), policy.observe(self.layer_idx, cache, probs)
+    with jax.named_scope("cache_write"):
+      cache, slot = policy.free_slot(self.layer_idx, cache, index)
+      cache = kv_cache.write(cache, slot, k[:, 0], v[:, 0], index)
+    with jax.named_scope("attend"):
+      o, probs = kv_cache.attend(q[:, 0], cache)                    # probs [B, K, G, C]
+    return self.out(o[:, None], inference=True), policy.observe(self.layer_idx, cache, probs)
 
 
 class MLP(nnx.Module):
@@ -204,14 +237,16 @@ class MLP(nnx.Module):
     self.down_proj = param(rngs, (F, D), (shd.MLP, shd.EMBED), pd)
 
   def __call__(self, x: jax.Array, router_noise_key: Optional[jax.Array] = None,
-               router_noise_scale: float = 0.0) -> jax.Array:
-    """x [B, T, D] -> [B, T, D]; the router-noise arguments exist for interface parity."""
+               router_noise_scale: float = 0.0, *, inference: bool = False) -> jax.Array:
+    """x [B, T, D] -> [B, T, D]; the router-noise arguments exist for interface parity.
+    inference: see `project` (cached decoding)."""
     del router_noise_key, router_noise_scale
     dt = self.cfg.compute_dtype
     x = x.astype(dt)
-    g = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...].astype(dt))
-    u = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...].astype(dt))
-    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(g) * u, self.down_proj[...].astype(dt))
+    g = project("BTD,DF->BTF", x, self.gate_proj[...], dt, inference=inference)
+    u = project("BTD,DF->BTF", x, self.up_proj[...], dt, inference=inference)
+    return project("BTF,FD->BTD", jax.nn.silu(g) * u, self.down_proj[...], dt,
+                   inference=inference)
 
 
 class MoE(nnx.Module):
@@ -250,8 +285,8 @@ class MoE(nnx.Module):
     return weights, experts
 
   def __call__(self, x: jax.Array, router_noise_key: Optional[jax.Array] = None,
-               router_noise_scale: float = 0.0) -> jax.Array:
-    """x [B, T, D] -> [B, T, D]."""
+               router_noise_scale: float = 0.0, *, inference: bool = False) -> jax.Array:
+    """x [B, T, D] -> [B, T, D]. inference: see `project` (cached decoding)."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
     B, T, D = x.shape
     E, k = cfg.num_experts, cfg.num_experts_per_tok
@@ -261,9 +296,15 @@ class MoE(nnx.Module):
     order = jnp.argsort(flat, stable=True)                               # sorted by expert
     xs = xf[order // k]                                                  # [M*k, D]
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)               # [E]
-    g = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(dt), sizes)  # [M*k, F]
-    u = jax.lax.ragged_dot(xs, self.up_proj[...].astype(dt), sizes)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, self.down_proj[...].astype(dt), sizes)
+
+    def grouped(a, w):
+      if not inference:
+        return jax.lax.ragged_dot(a, w.astype(dt), sizes)
+      return jax.lax.ragged_dot(a, w.astype(dt), sizes,
+                                preferred_element_type=jnp.float32).astype(dt)
+    g = grouped(xs, self.gate_proj[...])                                 # [M*k, F]
+    u = grouped(xs, self.up_proj[...])
+    y = grouped(jax.nn.silu(g) * u, self.down_proj[...])
     y = y[jnp.argsort(order)].reshape(B * T, k, D)                       # back to token order
     # transformers rounds the routing weights to the compute dtype before scaling.
     w = weights.astype(dt).astype(jnp.float32)[..., None]

@@ -90,7 +90,7 @@ def from_prompt(k: jax.Array, v: jax.Array, keep: jax.Array, score: jax.Array, *
   Args:
     k, v: [B, P, K, H] prompt keys/values.
     keep: [B, K, P] bool, the keys that stay (at most num_prompt_slots per row and head).
-    score: [B, K, P] fp32 per-key score carried into the cache (H2O), else zeros.
+    score: [B, K, P] fp32 per-key score carried into the cache (H2O), or None (no score kept).
   Returns:
     KVCache with C = num_total_slots; kept keys right-aligned in the first Cp slots in
     array-index order, remaining slots empty; no retention record (the policy adds it).
@@ -110,13 +110,16 @@ def from_prompt(k: jax.Array, v: jax.Array, keep: jax.Array, score: jax.Array, *
   ks = jnp.take_along_axis(kt, sel[..., None], axis=2)
   vs = jnp.take_along_axis(vt, sel[..., None], axis=2)
   pos = jnp.where(kept, sel, -1).astype(jnp.int32)
-  sc = jnp.where(kept, jnp.take_along_axis(score, sel, axis=-1), 0.0)
   pad = C - Cp
+  sc = None
+  if score is not None:
+    sc = jnp.where(kept, jnp.take_along_axis(score, sel, axis=-1), 0.0)
+    sc = jnp.pad(sc.astype(jnp.float32), ((0, 0), (0, 0), (0, pad)))
   return KVCache(
       k=jnp.pad(ks, ((0, 0), (0, 0), (0, pad), (0, 0))),
       v=jnp.pad(vs, ((0, 0), (0, 0), (0, pad), (0, 0))),
       pos=jnp.pad(pos, ((0, 0), (0, 0), (0, pad)), constant_values=-1),
-      score=jnp.pad(sc.astype(jnp.float32), ((0, 0), (0, 0), (0, pad))))
+      score=sc)
 
 
 def nbytes(caches) -> int:

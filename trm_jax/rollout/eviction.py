@@ -243,7 +243,8 @@ class CacheEviction:
     B, K = kept.shape[:2]
     evicted_at = jnp.full((B, K, self.length), NEVER_EVICTED, jnp.int32)
     evicted_at = evicted_at.at[:, :, :P].set(jnp.where(dropped, P, NEVER_EVICTED))
-    cache = kv.from_prompt(k, v, kept, score if cfg.policy == "h2o" else jnp.zeros_like(score),
+    # Only H2O reads a per-slot score during decoding; other policies carry none.
+    cache = kv.from_prompt(k, v, kept, score if cfg.policy == "h2o" else None,
                            num_prompt_slots=self.prompt_slots, num_total_slots=self.total_slots)
     return cache.replace(evicted_at=evicted_at)
 

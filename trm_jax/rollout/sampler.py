@@ -26,8 +26,8 @@ their later tokens are pad_id with segment id 0, invisible to the learner.
 Mismatch knobs (rollout != learner, for TRM experiments): `compute_dtype` (e.g. bf16 sampling
 of an fp32 model), `logit_noise`, `router_noise_scale` (MoE layers), and stale parameters:
 pass the stale model (or its state to `generate_from_state`). Logit noise for the token at
-index i + 1 is `logit_noise * normal(fold_in(stream_keys(key)[1], i), [B, V])`, so a test or an
-analysis can replay it.
+index i + 1 is `logit_noise * sampling.gaussian_noise(fold_in(stream_keys(key)[1], i), (B, V))`,
+so a test or an analysis can replay it.
 
 Costs worth knowing: H2O's prefill scores materialise the prompt's [B, K, G, P, P] attention
 probabilities once (the column sums are what H2O accumulates); SnapKV only needs the window's
@@ -216,13 +216,14 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry=None, 
     return {}
 
   def next_token(h, step):
-    """h [B, D] final-normed hidden state of query `step` -> (tokens, logp, dist) for index
-    step + 1."""
-    logits = model.unembed(h)                                         # [B, V] fp32
+    """h [B, D] final-normed hidden state of query `step` -> (tokens, logp, dist, entropy) for
+    index step + 1."""
+    with jax.named_scope("unembed"):
+      logits = model.unembed(h)                                       # [B, V] fp32
     if scfg.logit_noise > 0:
-      logits = logits + scfg.logit_noise * jax.random.normal(
-          jax.random.fold_in(k_noise, step), logits.shape, jnp.float32)
-    return sampling.sample(jax.random.fold_in(k_sample, step), logits, scfg)
+      logits = logits + scfg.logit_noise * sampling.gaussian_noise(
+          jax.random.fold_in(k_noise, step), logits.shape)
+    return sampling.draw(jax.random.fold_in(k_sample, step), logits, scfg)
 
   if phase == "decode":
     s = carry
@@ -275,16 +276,16 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry=None, 
 
 
 def _record(s: DecodeState, at, tok: jax.Array, logp: jax.Array, dist: jax.Array,
-            scfg: SamplingConfig) -> DecodeState:
-  """Writes the token sampled for array index `at` (tok, logp [B], dist [B, V]); rows that
-  already finished get pad_id and zeros."""
+            ent: jax.Array, scfg: SamplingConfig) -> DecodeState:
+  """Writes the token sampled for array index `at` (tok, logp, ent [B], dist [B, V]); rows
+  that already finished get pad_id and zeros."""
   alive = ~s.done
   tok = jnp.where(alive, tok, scfg.pad_id)
 
   def put(buf, val):
     return jax.lax.dynamic_update_slice_in_dim(buf, val[:, None].astype(buf.dtype), at, axis=1)
   new = dict(tokens=put(s.tokens, tok), logp=put(s.logp, jnp.where(alive, logp, 0.0)),
-             entropy=put(s.entropy, jnp.where(alive, sampling.entropy(dist), 0.0)),
+             entropy=put(s.entropy, jnp.where(alive, ent, 0.0)),
              mask=put(s.mask, alive.astype(jnp.int32)),
              done=s.done | (alive & _is_eos(tok, scfg.eos_ids)))
   if scfg.keep_topk_logprobs:
