@@ -103,6 +103,16 @@ def test_prefill_and_cached_decode_steps_equal_the_forward(overrides):
   np.testing.assert_allclose(np.asarray(caches[0].score).sum(-1), 2.0 * (T - 1 - P), rtol=1e-5)
 
 
+def test_inference_embedding_gathers_bf16_rows_as_bits():
+  """Cached decoding gathers a bf16 table through its uint16 bits: the same rows, bitwise."""
+  model = make_test_model(param_dtype="bfloat16", dtype="bfloat16")
+  tokens = _tokens(2, 5)
+  a = model.embed(tokens, inference=True)
+  assert a.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                np.asarray(model.embed(tokens).astype(jnp.float32)))
+
+
 def test_cached_decoding_rejects_misuse():
   model = make_test_model()
   policy = _StaticCache(4)
