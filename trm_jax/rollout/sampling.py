@@ -32,13 +32,27 @@ def sampled_logprobs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
 
   Greedy rows report the untempered, untruncated log-softmax (see `SamplingConfig`).
   """
+  return _log_softmax(_scaled(logits, cfg))[0]
+
+
+def _scaled(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """The logits of the sampling distribution: tempered and truncated (-inf), fp32."""
   x = logits.astype(jnp.float32)
   if cfg.greedy:
-    return jax.nn.log_softmax(x, axis=-1)
+    return x
   x = x / cfg.temperature
   if cfg.truncates:
     x = jnp.where(x >= _threshold(x, cfg), x, -jnp.inf)
-  return jax.nn.log_softmax(x, axis=-1)
+  return x
+
+
+def _log_softmax(x: jax.Array):
+  """(log_softmax(x), e = exp(x - max), sum(e)): the op sequence of `jax.nn.log_softmax`,
+  with its exponentials kept for the draw and the entropy."""
+  shifted = x - jnp.max(x, axis=-1, keepdims=True)
+  e = jnp.exp(shifted)
+  z = jnp.sum(e, axis=-1, keepdims=True)
+  return shifted - jnp.log(z), e, z
 
 
 def _threshold(x: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -73,14 +87,13 @@ def sample(key: jax.Array, logits: jax.Array, cfg: SamplingConfig):
 def draw(key: jax.Array, logits: jax.Array, cfg: SamplingConfig):
   """`sample`, plus the entropy [B] of each row's distribution (sharing its exp pass)."""
   with jax.named_scope("sample"):
-    dist = sampled_logprobs(logits, cfg)
-    p = jnp.exp(dist)                                            # 0 where truncated
+    dist, e, z = _log_softmax(_scaled(logits, cfg))          # e = 0 where truncated
     if cfg.greedy:
       tokens = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
     else:
-      tokens = inverse_cdf(p, uniform24(key, dist.shape[:-1]))
+      tokens = inverse_cdf(e, uniform24(key, dist.shape[:-1]))
     logp = jnp.take_along_axis(dist, tokens[..., None], axis=-1)[..., 0]
-    ent = -jnp.sum(jnp.where(p > 0, p * dist, 0.0), axis=-1)
+    ent = -jnp.sum(jnp.where(e > 0, e * dist, 0.0), axis=-1) / z[..., 0]
   return tokens, logp, dist, ent
 
 
