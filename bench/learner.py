@@ -25,6 +25,13 @@ Two measurements of `trm_jax.rl.learner.make_learner(...)`'s `update`, side by s
            track + dense teacher + full-vocabulary distillation) and "smd" with lam = 0
            (masked track only, to split the overhead). Calls are interleaved so that machine
            load affects every variant alike.
+  flops    throughput of the plain-GRPO `update` at the rollout bench's model shape (Qwen3, 4
+           layers, d 512, 8/4 heads, F 1536, vocab 32000; B 8, T 256, prompt 128): FLOPs of
+           the compiled step (`cost_analysis()["flops"]`) over its median wall time, against
+           the machine's fp32 matmul peak measured in the same run (the best of square
+           matmuls of a few sizes), so the fraction is a same-run ratio. Every timed call
+           records the load and other processes' CPU time (`bench.hygiene`); a contended
+           measurement is flagged, not reported as the result.
 
   python -m bench.learner [--quick] [--out bench/results/learner.json]
 """
@@ -44,6 +51,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from bench import hygiene
 from trm_jax.kernels.visibility import NEVER_EVICTED
 from trm_jax.models import make_test_model
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
@@ -177,6 +185,76 @@ def measure_time(*, B: int, T: int, chunk: int, repeats: int, warmup: int) -> di
           "smd_masked_only_over_grpo": round(med["smd_masked_only"] / med["grpo_off"], 4)}
 
 
+# The rollout bench's model (bench/rollout.py ARCH) in trm_jax terms.
+FLOPS_MODEL = dict(hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
+                   num_kv_heads=4, head_dim=64, vocab_size=32000)
+
+
+def matmul_peak(repeats: int = 5) -> dict:
+  """Best fp32 FLOP/s of square matmuls (n = 512, 1024, 2048) on this machine, now."""
+  out, best = {}, 0.0
+  for n in (512, 1024, 2048):
+    a = jnp.asarray(jax.random.normal(jax.random.key(n), (n, n)), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(f(a))
+    probes = []
+    for _ in range(repeats):
+      probes.append(hygiene.timed(lambda: jax.block_until_ready(f(a)))[1])
+    t = min(p["wall_s"] for p in probes)
+    out[f"n{n}_gflops"] = round(2 * n ** 3 / t / 1e9, 2)
+    out[f"n{n}_contended"] = any(p["contended"] for p in probes)
+    best = max(best, 2 * n ** 3 / t)
+  out["peak_gflops"] = round(best / 1e9, 2)
+  return out
+
+
+def measure_flops(*, B: int = 8, T: int = 256, P: int = 128, chunk: int = 128,
+                  repeats: int = 5, rounds: int = 2) -> dict:
+  """FLOP/s of plain GRPO's update step at the bench shape vs the fp32 matmul peak."""
+  model = make_test_model(**FLOPS_MODEL)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  cfg = model.config
+  batch = _concrete_batch(jax.random.key(0), B, T, P, cfg.num_layers, cfg.num_kv_heads,
+                          cfg.vocab_size, ratio=0.0)
+  batch = batch.replace(evicted_at=None)
+  tx = optax.adamw(1e-6)
+  _, update = make_learner(graphdef, tx, LearnerConfig(mode="off", chunk=chunk,
+                                                       attn_impl="reference"),
+                           response_start=P)
+  opt = tx.init(params)
+  compiled = update.lower(params, opt, rest, batch).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  flops = float(cost["flops"])
+  p, o = jax.tree.map(jnp.copy, params), tx.init(params)
+  p, o, aux = update(p, o, rest, batch)                     # warm-up
+  jax.block_until_ready(aux)
+  out_rounds = []
+  for rnd in range(rounds):
+    peak = matmul_peak()
+    probes = []
+    for _ in range(repeats):
+      t, info, (p, o, aux) = hygiene.timed(
+          lambda: jax.block_until_ready(update(p, o, rest, batch)))
+      probes.append(info)
+    med = statistics.median(i["wall_s"] for i in probes)
+    contended = (any(i["contended"] for i in probes)
+                 or any(v for k, v in peak.items() if k.endswith("_contended")))
+    out_rounds.append(dict(
+        round=rnd, contended=contended, step_s=round(med, 4),
+        gflops_per_s=round(flops / med / 1e9, 2), matmul_peak=peak,
+        fraction_of_peak=round(flops / med / (peak["peak_gflops"] * 1e9), 4),
+        calls=[dict(wall_s=i["wall_s"], other_cores=i["other_cores"],
+                    contended=i["contended"]) for i in probes]))
+    print(f"learner flops round {rnd}: {'CONTENDED' if contended else 'quiet'} "
+          f"{out_rounds[-1]['gflops_per_s']} GFLOP/s, peak {peak['peak_gflops']}, "
+          f"fraction {out_rounds[-1]['fraction_of_peak']}", flush=True)
+  quiet = [r["fraction_of_peak"] for r in out_rounds if not r["contended"]]
+  return dict(B=B, T=T, P=P, model=FLOPS_MODEL, mode="off (plain GRPO)", chunk=chunk,
+              attn_impl="reference", step_flops=flops, rounds=out_rounds,
+              fraction_of_peak_quiet=quiet, target_fraction=0.4)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="bench/results/learner.json")
@@ -186,7 +264,23 @@ def main(argv=None):
   p.add_argument("--chunk", type=int, default=128, help="LearnerConfig.chunk")
   p.add_argument("--time-batch", type=int, default=4)
   p.add_argument("--time-length", type=int, default=None)
+  p.add_argument("--only-flops", action="store_true",
+                 help="run only the FLOP/s measurement and update that section of --out")
   args = p.parse_args(argv)
+  if args.only_flops:
+    flops = measure_flops()
+    result = {}
+    if os.path.exists(args.out):
+      with open(args.out) as f:
+        result = json.load(f)
+    result["flops"] = flops
+    result.setdefault("targets_met", {})["update_step_fraction_of_fp32_matmul_peak >= 0.4"] = (
+        bool(flops["fraction_of_peak_quiet"]) and min(flops["fraction_of_peak_quiet"]) >= 0.4
+        if flops["fraction_of_peak_quiet"] else None)
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=2)
+    print(json.dumps({k: flops[k] for k in ("step_flops", "fraction_of_peak_quiet")}))
+    return
   time_T = args.time_length or (256 if args.quick else 512)
   repeats, warmup = (5, 1) if args.quick else (10, 2)
 
@@ -210,10 +304,14 @@ def main(argv=None):
 
   timing = measure_time(B=args.time_batch, T=time_T, chunk=args.chunk, repeats=repeats,
                         warmup=warmup)
+  flops = measure_flops(repeats=3 if args.quick else 5)
   summary["step_time_smd_over_grpo"] = timing["smd_over_grpo"]
   targets = {"kernel_shadow_T4096_over_T2048 <= 2.3": None,
              "kernel_shadow_over_kernel_causal_T4096 <= 1.15": None,
-             "step_time_smd_over_grpo <= 1.5": timing["smd_over_grpo"] <= 1.5}
+             "step_time_smd_over_grpo <= 1.5": timing["smd_over_grpo"] <= 1.5,
+             "update_step_fraction_of_fp32_matmul_peak >= 0.4": (
+                 min(flops["fraction_of_peak_quiet"]) >= 0.4
+                 if flops["fraction_of_peak_quiet"] else None)}
   if "kernel_shadow_T4096_over_T2048" in summary:
     targets["kernel_shadow_T4096_over_T2048 <= 2.3"] = (
         summary["kernel_shadow_T4096_over_T2048"] <= 2.3)
@@ -235,6 +333,7 @@ def main(argv=None):
       "memory": {"B": 1, "model": MEM_MODEL, "chunk": args.chunk, "mode": "smd, lam=0.1",
                  "optimizer": "adamw", "rows": rows},
       "time": timing,
+      "flops": flops,
       "summary": summary,
       "targets_met": targets,
   }
