@@ -192,7 +192,7 @@ def _moe_dense_reference(moe: MoE, x):
   """Every expert on every token, combined with one-hot top-k weights."""
   B, T, D = x.shape
   xf = x.reshape(-1, D)
-  w, idx = moe.route(xf)
+  w, idx, _ = moe.route(xf)
   g = jnp.einsum("MD,EDF->MEF", xf, moe.gate_proj[...])
   u = jnp.einsum("MD,EDF->MEF", xf, moe.up_proj[...])
   y = jnp.einsum("MEF,EFD->MED", jax.nn.silu(g) * u, moe.down_proj[...])

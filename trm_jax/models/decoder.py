@@ -14,13 +14,13 @@ from typing import Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from trm_jax import sharding as shd
 from trm_jax.kernels.visibility import LayerVisibility, Visibility
 from trm_jax.models.config import ModelConfig
 from trm_jax.models.kv_cache import CachePolicy, KVCache
-from trm_jax.models.layers import MLP, Attention, MoE, RMSNorm, param
+from trm_jax.models.layers import MLP, Attention, MoE, RMSNorm, Route, param
 
 Caches = Tuple[KVCache, ...]  # one per layer
 
@@ -64,15 +64,17 @@ class Block(nnx.Module):
                vis: Optional[LayerVisibility] = None, *, attn_impl: str = "auto",
                router_noise_key: Optional[jax.Array] = None, router_noise_scale: float = 0.0,
                cache: Optional[KVCache] = None, policy: Optional[CachePolicy] = None,
-               index: Optional[jax.Array] = None) -> Tuple[jax.Array, Optional[KVCache]]:
-    """x [B, T, D] -> (y [B, T, D], cache); `cache`, `policy`, `index` as in `Attention`."""
+               index: Optional[jax.Array] = None, routing: Optional[jax.Array] = None,
+               ) -> Tuple[jax.Array, Optional[KVCache], Optional[Route]]:
+    """x [B, T, D] -> (y [B, T, D], cache, Route of an MoE layer or None); `cache`,
+    `policy`, `index` as in `Attention`, `routing` [B, T, k] as in `MoE` (dense: ignored)."""
     a, cache = self.attn(self.input_norm(x), positions, vis, impl=attn_impl, cache=cache,
                          policy=policy, index=index)
     h = x + a
     # Cached decoding is never differentiated: its projections accumulate as `project` says.
-    y = self.mlp(self.post_attn_norm(h), router_noise_key, router_noise_scale,
-                 inference=policy is not None)
-    return h + y, cache
+    y, route = self.mlp(self.post_attn_norm(h), router_noise_key, router_noise_scale,
+                        inference=policy is not None, routing=routing, with_route=True)
+    return h + y, cache, route
 
 
 def default_positions(tokens: jax.Array, visibility: Optional[Visibility]) -> jax.Array:
@@ -130,75 +132,98 @@ class Decoder(nnx.Module):
   def hidden_states(self, tokens: jax.Array, *, positions: Optional[jax.Array] = None,
                     visibility: Optional[Visibility] = None, attn_impl: str = "auto",
                     router_noise_key: Optional[jax.Array] = None,
-                    router_noise_scale: float = 0.0) -> jax.Array:
-    """tokens [B, T] -> final-normed hidden states [B, T, D] (compute dtype)."""
-    x, _ = self._blocks(tokens, positions, visibility, attn_impl=attn_impl,
-                        router_noise_key=router_noise_key,
-                        router_noise_scale=router_noise_scale)
-    return self.final_norm(x)
+                    router_noise_scale: float = 0.0, routing: Optional[jax.Array] = None,
+                    with_routing: bool = False):
+    """tokens [B, T] -> final-normed hidden states [B, T, D] (compute dtype); with
+    `with_routing` also the MoE layers' `Routing`. `routing` [B, L_moe, T, k] replays
+    recorded expert choices (`Rollout.routed_experts`; see `layers.MoE`)."""
+    x, _, routes = self._blocks(tokens, positions, visibility, attn_impl=attn_impl,
+                                router_noise_key=router_noise_key,
+                                router_noise_scale=router_noise_scale, routing=routing)
+    h = self.final_norm(x)
+    return (h, routes) if with_routing else h
 
   def prefill(self, tokens: jax.Array, policy: CachePolicy, *,
               positions: Optional[jax.Array] = None, visibility: Optional[Visibility] = None,
               attn_impl: str = "auto", router_noise_key: Optional[jax.Array] = None,
-              router_noise_scale: float = 0.0) -> Tuple[jax.Array, Caches]:
+              router_noise_scale: float = 0.0, with_routing: bool = False):
     """tokens [B, P] -> (final-normed hidden state of the last index [B, D], L caches built
-    by `policy`). Left-padded prompts all end at index P - 1, so that state samples the
-    first new token of every row."""
-    x, caches = self._blocks(tokens, positions, visibility, attn_impl=attn_impl,
-                             router_noise_key=router_noise_key,
-                             router_noise_scale=router_noise_scale, policy=policy)
-    return self.final_norm(x[:, -1]), caches
+    by `policy`[, Routing of the P prompt tokens]). Left-padded prompts all end at index
+    P - 1, so that state samples the first new token of every row."""
+    x, caches, routes = self._blocks(tokens, positions, visibility, attn_impl=attn_impl,
+                                     router_noise_key=router_noise_key,
+                                     router_noise_scale=router_noise_scale, policy=policy)
+    out = (self.final_norm(x[:, -1]), caches)
+    return (*out, routes) if with_routing else out
 
   def decode_step(self, tokens: jax.Array, caches: Sequence[KVCache], policy: CachePolicy, *,
                   positions: jax.Array, index: jax.Array,
                   router_noise_key: Optional[jax.Array] = None,
-                  router_noise_scale: float = 0.0) -> Tuple[jax.Array, Caches]:
+                  router_noise_scale: float = 0.0, with_routing: bool = False):
     """tokens [B, 1] at array index `index` [], RoPE positions [B, 1] ->
-    (final-normed hidden state [B, D], updated caches)."""
+    (final-normed hidden state [B, D], updated caches[, Routing of this token])."""
     if len(caches) != self.config.num_layers:
       raise ValueError(f"decode_step got {len(caches)} caches, model has "
                        f"{self.config.num_layers} layers")
-    x, caches = self._blocks(tokens, positions, None, router_noise_key=router_noise_key,
-                             router_noise_scale=router_noise_scale, policy=policy,
-                             caches=caches, index=index)
+    x, caches, routes = self._blocks(tokens, positions, None,
+                                     router_noise_key=router_noise_key,
+                                     router_noise_scale=router_noise_scale, policy=policy,
+                                     caches=caches, index=index)
     # Slice, then norm (as `prefill`): XLA rounds a bf16 norm of [B, 1, D] followed by the
     # slice differently, and the sampler's outputs are kept bitwise.
-    return self.final_norm(x[:, 0]), caches
+    out = (self.final_norm(x[:, 0]), caches)
+    return (*out, routes) if with_routing else out
+
+  @property
+  def moe_layers(self) -> Tuple[int, ...]:
+    """Indices of the MoE layers (the L_moe axis of routing arrays)."""
+    return tuple(l for l in range(self.config.num_layers) if self.config.is_moe_layer(l))
 
   def _blocks(self, tokens, positions, visibility, *, attn_impl: str = "auto",
               router_noise_key=None, router_noise_scale: float = 0.0,
               policy: Optional[CachePolicy] = None, caches: Optional[Sequence[KVCache]] = None,
-              index=None) -> Tuple[jax.Array, Caches]:
+              index=None, routing: Optional[jax.Array] = None,
+              ) -> Tuple[jax.Array, Caches, Optional[Routing]]:
     """The layer loop of every forward: embed and blocks -> (residual stream [B, T, D] before
-    the final norm, caches; empty without a policy)."""
+    the final norm, caches (empty without a policy), Routing of the MoE layers or None)."""
     cfg = self.config
     if visibility is not None and visibility.evicted_at is not None:
       L = visibility.evicted_at.shape[1]
       if L != cfg.num_layers:
         raise ValueError(f"visibility.evicted_at has {L} layers, model has {cfg.num_layers}")
+    moe = self.moe_layers
+    if routing is not None:
+      _check_routing(routing, tokens.shape, len(moe), cfg)
     if positions is None:
       positions = default_positions(tokens, visibility)
     residual_axes = (shd.BATCH, shd.LENGTH, shd.EMBED)
     x = shd.constrain(self.embed(tokens, inference=policy is not None), residual_axes)
-    new_caches = []
+    new_caches, routes = [], []
     for l, layer in enumerate(self.layers):
       vis = None if visibility is None else visibility.layer(l)
+      forced = None if routing is None or l not in moe else routing[:, moe.index(l)]
       if policy is None:
-        def run(block, x, positions, vis, key):
-          return block(x, positions, vis, attn_impl=attn_impl, router_noise_key=key,
-                       router_noise_scale=router_noise_scale)[0]
+        def run(block, x, positions, vis, key, forced):
+          y, _, route = block(x, positions, vis, attn_impl=attn_impl, router_noise_key=key,
+                              router_noise_scale=router_noise_scale, routing=forced)
+          return y, route
         if cfg.remat:
           run = nnx.remat(run)
-        x = run(layer, x, positions, vis, router_noise_key)
+        x, route = run(layer, x, positions, vis, router_noise_key, forced)
       else:
         # Cached decoding never runs a backward pass, so remat would buy nothing.
-        x, cache = layer(x, positions, vis, attn_impl=attn_impl,
-                         router_noise_key=router_noise_key,
-                         router_noise_scale=router_noise_scale, policy=policy,
-                         cache=None if caches is None else caches[l], index=index)
+        x, cache, route = layer(x, positions, vis, attn_impl=attn_impl,
+                                router_noise_key=router_noise_key,
+                                router_noise_scale=router_noise_scale, policy=policy,
+                                cache=None if caches is None else caches[l], index=index)
         new_caches.append(cache)
+      if route is not None:
+        routes.append(route)
       x = shd.constrain(x, residual_axes)
-    return x, tuple(new_caches)
+    routing_out = None if not routes else Routing(
+        chosen=jnp.stack([r.chosen for r in routes], axis=1),
+        own=jnp.stack([r.own for r in routes], axis=1))
+    return x, tuple(new_caches), routing_out
 
   def unembed(self, h: jax.Array) -> jax.Array:
     """h [..., D] -> logits [..., V] float32 (fp32 accumulation)."""
@@ -212,11 +237,32 @@ class Decoder(nnx.Module):
   def __call__(self, tokens: jax.Array, *, positions: Optional[jax.Array] = None,
                visibility: Optional[Visibility] = None, attn_impl: str = "auto",
                router_noise_key: Optional[jax.Array] = None,
-               router_noise_scale: float = 0.0) -> jax.Array:
+               router_noise_scale: float = 0.0,
+               routing: Optional[jax.Array] = None) -> jax.Array:
     """tokens [B, T] -> logits [B, T, V] float32."""
     return self.unembed(self.hidden_states(
         tokens, positions=positions, visibility=visibility, attn_impl=attn_impl,
-        router_noise_key=router_noise_key, router_noise_scale=router_noise_scale))
+        router_noise_key=router_noise_key, router_noise_scale=router_noise_scale,
+        routing=routing))
+
+
+@struct.dataclass
+class Routing:
+  """The MoE layers' expert choices for every token, stacked over those layers."""
+  chosen: jax.Array  # [B, L_moe, T, k] int32 experts that ran (jittered, replayed or own)
+  own: jax.Array     # [B, L_moe, T, k] int32 each router's own top-k (no jitter, no replay)
+
+
+def _check_routing(routing: jax.Array, token_shape, n_moe: int, cfg: ModelConfig) -> None:
+  if n_moe == 0:
+    raise ValueError(f"routing replay needs MoE layers; this {cfg.model_type} model has none "
+                     "(routing= is for qwen3_moe models)")
+  want = (token_shape[0], n_moe, token_shape[1], cfg.num_experts_per_tok)
+  if tuple(routing.shape) != want:
+    raise ValueError(f"routing has shape {tuple(routing.shape)}; expected [B, L_moe, T, k] = "
+                     f"{want}")
+  if not jnp.issubdtype(routing.dtype, jnp.integer):
+    raise ValueError(f"routing must hold integer expert ids, got {routing.dtype}")
 
 
 def make_test_model(seed: int = 0, **overrides) -> Decoder:

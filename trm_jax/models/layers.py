@@ -26,7 +26,7 @@ from typing import Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from trm_jax import sharding as shd
 from trm_jax.kernels import attention
@@ -237,16 +237,19 @@ class MLP(nnx.Module):
     self.down_proj = param(rngs, (F, D), (shd.MLP, shd.EMBED), pd)
 
   def __call__(self, x: jax.Array, router_noise_key: Optional[jax.Array] = None,
-               router_noise_scale: float = 0.0, *, inference: bool = False) -> jax.Array:
-    """x [B, T, D] -> [B, T, D]; the router-noise arguments exist for interface parity.
+               router_noise_scale: float = 0.0, *, inference: bool = False,
+               routing: Optional[jax.Array] = None, with_route: bool = False):
+    """x [B, T, D] -> [B, T, D] (with `with_route`: (y, None)); the router arguments exist
+    for interface parity with `MoE` (a dense layer has nothing to route or replay).
     inference: see `project` (cached decoding)."""
-    del router_noise_key, router_noise_scale
+    del router_noise_key, router_noise_scale, routing
     dt = self.cfg.compute_dtype
     x = x.astype(dt)
     g = project("BTD,DF->BTF", x, self.gate_proj[...], dt, inference=inference)
     u = project("BTD,DF->BTF", x, self.up_proj[...], dt, inference=inference)
-    return project("BTF,FD->BTD", jax.nn.silu(g) * u, self.down_proj[...], dt,
-                   inference=inference)
+    y = project("BTF,FD->BTD", jax.nn.silu(g) * u, self.down_proj[...], dt,
+                inference=inference)
+    return (y, None) if with_route else y
 
 
 class MoE(nnx.Module):
@@ -255,10 +258,18 @@ class MoE(nnx.Module):
   Dispatch sorts the B*T*k (token, expert) pairs by expert and runs three grouped matmuls
   (`jax.lax.ragged_dot`), so compute is k/E of running every expert on every token.
 
-  Router jitter (the "MoE router mismatch" knob): with `router_noise_key`, adds
-  `router_noise_scale * N(0, 1)` to the router logits before the softmax and top-k; the key is
-  folded with this block's layer index, so the same base key gives independent noise per layer
-  whoever calls the block (learner forward or the rollout engine's decode step).
+  Router jitter (the "MoE router mismatch" knob): with `router_noise_key`, the top-k choice is
+  made on router logits plus `router_noise_scale * N(0, 1)`; the key is folded with this
+  block's layer index, so the same base key gives independent noise per layer whoever calls
+  the block (learner forward or the rollout engine's decode step). The jitter decides *which*
+  experts run (the routing flip of the TRM paper, App. A.2); the gates are always the router's
+  own probabilities of the experts that run, as under routing replay.
+
+  Routing replay (`forced` [M, k] expert ids, entries < 0 = not recorded): the recorded experts
+  run instead of the router's top-k, gated by the router's own probabilities of them
+  (softmax over all E, gathered, then normalised as `norm_topk_prob` says), so the router
+  still gets gradients (verl's "R3"). With `forced` equal to the router's own choice the
+  output is bitwise the plain forward's.
   """
 
   def __init__(self, cfg: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
@@ -271,27 +282,38 @@ class MoE(nnx.Module):
     self.down_proj = param(rngs, (E, F, D), (shd.EXPERTS, shd.MLP, shd.EMBED), pd)
 
   def route(self, x: jax.Array, router_noise_key: Optional[jax.Array] = None,
-            router_noise_scale: float = 0.0):
-    """x [M, D] -> (weights [M, k] fp32, expert ids [M, k] int32)."""
+            router_noise_scale: float = 0.0, forced: Optional[jax.Array] = None):
+    """x [M, D] -> (gates [M, k] fp32, experts run [M, k] int32, router's own top-k [M, k])."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
+    k = cfg.num_experts_per_tok
     logits = jnp.einsum("MD,DE->ME", x, self.router[...].astype(dt)).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)                             # [M, E]
+    weights, own = jax.lax.top_k(probs, k)                              # [M, k]
+    experts = own
     if router_noise_key is not None:
       key = jax.random.fold_in(router_noise_key, self.layer_idx)
-      logits = logits + router_noise_scale * jax.random.normal(key, logits.shape, jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)                             # [M, E]
-    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)   # [M, k]
+      noisy = logits + router_noise_scale * jax.random.normal(key, logits.shape, jnp.float32)
+      experts = jax.lax.top_k(noisy, k)[1]
+    if forced is not None:
+      experts = jnp.where(forced >= 0, forced.astype(jnp.int32), experts)
+    if experts is not own:
+      weights = jnp.take_along_axis(probs, experts, axis=-1)           # the experts that run
     if cfg.norm_topk_prob:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)    # sum >= max prob > 0
-    return weights, experts
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)    # sum > 0: softmax
+    return weights, experts, own
 
   def __call__(self, x: jax.Array, router_noise_key: Optional[jax.Array] = None,
-               router_noise_scale: float = 0.0, *, inference: bool = False) -> jax.Array:
-    """x [B, T, D] -> [B, T, D]. inference: see `project` (cached decoding)."""
+               router_noise_scale: float = 0.0, *, inference: bool = False,
+               routing: Optional[jax.Array] = None, with_route: bool = False):
+    """x [B, T, D] -> y [B, T, D], or (y, Route) with `with_route`. inference: see
+    `project` (cached decoding); routing [B, T, k]: expert ids to replay (< 0 = the router's
+    own choice)."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
     B, T, D = x.shape
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     xf = x.astype(dt).reshape(B * T, D)                                  # [M, D]
-    weights, experts = self.route(xf, router_noise_key, router_noise_scale)
+    forced = None if routing is None else routing.reshape(B * T, k)
+    weights, experts, own = self.route(xf, router_noise_key, router_noise_scale, forced)
     flat = experts.reshape(-1)                                           # [M*k]
     order = jnp.argsort(flat, stable=True)                               # sorted by expert
     xs = xf[order // k]                                                  # [M*k, D]
@@ -309,4 +331,14 @@ class MoE(nnx.Module):
     # transformers rounds the routing weights to the compute dtype before scaling.
     w = weights.astype(dt).astype(jnp.float32)[..., None]
     out = jnp.sum(y.astype(jnp.float32) * w, axis=1)                     # [M, D]
-    return out.astype(dt).reshape(B, T, D)
+    y = out.astype(dt).reshape(B, T, D)
+    if not with_route:
+      return y
+    return y, Route(chosen=experts.reshape(B, T, k), own=own.reshape(B, T, k))
+
+
+@struct.dataclass
+class Route:
+  """What one MoE layer decided for every token."""
+  chosen: jax.Array  # [B, T, k] int32 experts that ran (jittered, replayed or the router's)
+  own: jax.Array     # [B, T, k] int32 the router's own top-k (no jitter, no replay)

@@ -65,6 +65,17 @@ class DecodeState:
   topk_logp: Optional[jax.Array] = None  # [B, T, k] fp32 (keep_topk_logprobs)
   topk_ids: Optional[jax.Array] = None   # [B, T, k] int32
   full_logp: Optional[jax.Array] = None  # [B, T, V] fp32 (keep_full_logprobs)
+  routed: Optional[jax.Array] = None     # [B, L_moe, T, k] expert ids (record_routing);
+                                         #   -1 where no token was fed (the last index)
+
+
+def routing_dtype(num_experts: int):
+  """The smallest signed integer dtype that holds expert ids 0..E-1 and the -1 of an
+  unrecorded position (int8 for E <= 127)."""
+  for dt in (jnp.int8, jnp.int16, jnp.int32):
+    if num_experts - 1 <= jnp.iinfo(dt).max:
+      return dt
+  raise ValueError(f"num_experts={num_experts} does not fit int32 expert ids")
 
 
 def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax.Array,
@@ -73,7 +84,7 @@ def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax
              pad_id: Optional[int] = None, cache: CacheConfig = CacheConfig(),
              keep_topk_logprobs: int = 0, keep_full_logprobs: bool = False,
              compute_dtype=None, logit_noise: float = 0.0, router_noise_scale: float = 0.0,
-             attn_impl: str = "auto") -> Rollout:
+             record_routing: bool = False, attn_impl: str = "auto") -> Rollout:
   """Samples `max_new_tokens` continuations of left-padded prompts.
 
   Args:
@@ -91,6 +102,9 @@ def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax
     compute_dtype: sampler compute dtype (e.g. jnp.bfloat16), default the model's.
     logit_noise: std of Gaussian noise added to the logits before sampling.
     router_noise_scale: MoE router jitter in every MoE layer.
+    record_routing: also return `Rollout.routed_experts` [B, L_moe, T, k], the experts each
+      MoE layer ran for every prompt and sampled token (with jitter, the jittered choice),
+      for routing replay in the learner (`model(tokens, routing=...)`).
     attn_impl: prefill attention implementation (`kernels.attention`).
   Returns:
     `Rollout`.
@@ -99,7 +113,8 @@ def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax
       model.config, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
       top_k=top_k, greedy=greedy, eos_ids=eos_ids, pad_id=pad_id,
       keep_topk_logprobs=keep_topk_logprobs, keep_full_logprobs=keep_full_logprobs,
-      logit_noise=logit_noise, router_noise_scale=router_noise_scale)
+      logit_noise=logit_noise, router_noise_scale=router_noise_scale,
+      record_routing=record_routing)
   graphdef, state = nnx.split(model)
   return generate_from_state(sampler_graphdef(model, compute_dtype), state, prompt_ids,
                              prompt_lengths, key=key, sampling_config=scfg, cache_config=cache,
@@ -229,10 +244,18 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry=None, 
     s = carry
   else:
     # --- prefill: the blocks over the whole prompt, then each layer's cache from its q/k/v --
-    h, caches = model.prefill(
+    h, caches, routing = model.prefill(
         prompt_ids, policy, positions=jnp.maximum(idx[None, :] - start[:, None], 0),
         visibility=Visibility(segment_ids=valid.astype(jnp.int32)), attn_impl=attn_impl,
-        **router_noise(P - 1))
+        with_routing=True, **router_noise(P - 1))
+    routed = None
+    if scfg.record_routing:
+      if routing is None:
+        raise ValueError("record_routing=True needs a model with MoE layers; this "
+                         f"{model.config.model_type} model has none")
+      rdt = routing_dtype(model.config.num_experts)
+      routed = jnp.concatenate([routing.chosen.astype(rdt), jnp.full(
+          routing.chosen.shape[:2] + (R,) + routing.chosen.shape[3:], -1, rdt)], axis=2)
     zeros = jnp.zeros((B, T), jnp.float32)
     kk = scfg.keep_topk_logprobs
     V = model.config.vocab_size
@@ -243,7 +266,8 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry=None, 
         done=jnp.zeros((B,), bool), caches=caches,
         topk_logp=jnp.zeros((B, T, kk), jnp.float32) if kk else None,
         topk_ids=jnp.zeros((B, T, kk), jnp.int32) if kk else None,
-        full_logp=jnp.zeros((B, T, V), jnp.float32) if scfg.keep_full_logprobs else None)
+        full_logp=jnp.zeros((B, T, V), jnp.float32) if scfg.keep_full_logprobs else None,
+        routed=routed)
     s = _record(s, P, *next_token(h, P - 1), scfg)
     if phase == "prefill":
       return s
@@ -254,9 +278,12 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry=None, 
 
   def body(s: DecodeState) -> DecodeState:
     i = s.index
-    h, caches = model.decode_step(
+    h, caches, routing = model.decode_step(
         jax.lax.dynamic_slice_in_dim(s.tokens, i, 1, axis=1), s.caches, policy,
-        positions=(i - start)[:, None], index=i, **router_noise(i))
+        positions=(i - start)[:, None], index=i, with_routing=True, **router_noise(i))
+    if scfg.record_routing:   # the experts token i ran through, in every MoE layer
+      s = s.replace(routed=jax.lax.dynamic_update_slice_in_dim(
+          s.routed, routing.chosen.astype(s.routed.dtype), i, axis=2))
     s = _record(s.replace(caches=caches), i + 1, *next_token(h, i), scfg)
     return s.replace(index=i + 1)
 
@@ -272,7 +299,8 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry=None, 
       evicted_at=jnp.stack([c.evicted_at for c in s.caches], axis=1),   # [B, L, K, T]
       stats=RolloutStats(finished=s.done, decode_steps=s.index - P, entropy=s.entropy,
                          cache_slots=C, cache_bytes=kv.nbytes([(c.k, c.v) for c in s.caches])),
-      topk_ids=s.topk_ids, topk_logp=s.topk_logp, full_logp=s.full_logp)
+      topk_ids=s.topk_ids, topk_logp=s.topk_logp, full_logp=s.full_logp,
+      routed_experts=s.routed)
 
 
 def _record(s: DecodeState, at, tok: jax.Array, logp: jax.Array, dist: jax.Array,

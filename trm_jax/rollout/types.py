@@ -113,6 +113,7 @@ class SamplingConfig:
   keep_full_logprobs: bool = False  # also return [B, T, V] log-probs (small vocabularies)
   logit_noise: float = 0.0       # std of additive Gaussian noise on the logits (mismatch knob)
   router_noise_scale: float = 0.0  # MoE router jitter passed to every layer.mlp (mismatch knob)
+  record_routing: bool = False   # also return the MoE layers' expert choices (routing replay)
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -163,3 +164,7 @@ class Rollout:
                                          #   truncation removed a token, 0 off the response
   policy_version: Optional[jax.Array] = None  # [B] int32: updates applied to the parameters
                                               #   that sampled each row (set by the trainer)
+  routed_experts: Optional[jax.Array] = None  # [B, L_moe, T, k] int8 (int16 past 127
+                                              #   experts): the experts each MoE layer ran
+                                              #   for token j (record_routing); -1 at the
+                                              #   last index, which no query fed
