@@ -40,6 +40,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from trm_jax import sharding as shd
+from trm_jax.config import ConfigError
 from trm_jax.data import math_reward
 from trm_jax.data import summarize as eval_summary
 from trm_jax.rl import advantages as adv_lib
@@ -166,6 +167,9 @@ def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: n
   replicated; the learner's update returns its state with exactly these shardings. With
   `sampler_mesh` the sampler runs there (mesh.rollout_devices).
   """
+  if c.rollout.routing_replay and not model.moe_layers:
+    raise ConfigError(f"bad config value [rollout.routing_replay]: routing replay needs MoE "
+                      f"layers; this {model.config.model_type} model has none")
   tx = make_optimizer(c)
   graphdef, params, rest, opt_state, state_sh = init_learner_state(model, tx, mesh)
   lcfg = learner_config(c, max_len=task.max_new_tokens)
@@ -178,7 +182,7 @@ def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: n
       model.config, max_new_tokens=task.max_new_tokens, temperature=r.temperature,
       top_p=r.top_p, top_k=r.top_k, keep_full_logprobs=r.keep_full_logprobs,
       keep_topk_logprobs=r.keep_topk_logprobs, logit_noise=r.logit_noise,
-      router_noise_scale=r.router_noise)
+      router_noise_scale=r.router_noise, record_routing=r.routing_replay)
   disagg = {}
   if sampler_mesh is not None:
     disagg = dict(sampler_mesh=sampler_mesh,
@@ -237,8 +241,8 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
       logp_roll=ro.logp, advantages=np.zeros(B, np.float32), logp_old=ro.logp,
       token_weights=np.ones((B, T), np.float32),
       evicted_at=ro.evicted_at if ctx.lcfg.mode == "smd" else None,
-      roll_logp_full=ro.full_logp, roll_topk_logp=ro.topk_logp, roll_topk_ids=ro.topk_ids),
-      ctx.mesh)
+      roll_logp_full=ro.full_logp, roll_topk_logp=ro.topk_logp, roll_topk_ids=ro.topk_ids,
+      routed_experts=ro.routed_experts), ctx.mesh)
   resp = batch.response_mask.astype(jnp.float32)
   batch = batch.replace(response_mask=resp)
   with oom_hints("learner score pass"):

@@ -73,6 +73,9 @@ def get_config(arg=None):
   c.rollout.dtype = "bfloat16"     # sampler compute dtype (mismatch knob: learner is fp32)
   c.rollout.logit_noise = 0.1      # std of additive logit noise (mismatch knob)
   c.rollout.router_noise = 0.0     # MoE router jitter (mismatch knob; MoE models only)
+  c.rollout.routing_replay = False  # record the sampler's MoE expert choices and replay them in
+                                    #   the learner (MoE models only; TRM then measures what
+                                    #   mismatch remains)
   c.rollout.keep_full_logprobs = True   # exact token KL/TV for TRM (small vocabularies only)
   c.rollout.keep_topk_logprobs = 0
   c.rollout.cache = ml_collections.ConfigDict(dict(

@@ -87,26 +87,45 @@ class LearnerBatch:
   roll_topk_logp: Optional[jax.Array] = None  # [B, T, k] float32 (top-k + tail lower bounds)
   roll_topk_ids: Optional[jax.Array] = None   # [B, T, k] int32
   logp_ref: Optional[jax.Array] = None        # [B, T] float32 reference policy (kl_beta > 0)
+  routed_experts: Optional[jax.Array] = None  # [B, L_moe, T, k] MoE choices to replay
 
 
-def _forward(model, batch: LearnerBatch, cfg: LearnerConfig, *, with_teacher: bool):
-  """(1) of both passes: learner-track (+ teacher) hidden states and chunked token terms."""
+def _forward(model, batch: LearnerBatch, cfg: LearnerConfig, *, with_teacher: bool,
+             with_routing: bool = False):
+  """(1) of both passes: learner-track (+ teacher) hidden states and chunked token terms.
+
+  With `batch.routed_experts` every MoE layer runs the sampler's experts (routing replay),
+  in the learner track and the teacher alike: replay defines the policy being trained, the
+  teacher differs from it only by the eviction mask. `with_routing` also returns the
+  MoE layers' `Routing` (the router's own choices, for the flip rate)."""
   shadow = cfg.mode == "smd" and batch.evicted_at is not None
   vis = Visibility(segment_ids=batch.segment_ids,
                    evicted_at=batch.evicted_at if shadow else None)
-  h = model.hidden_states(batch.tokens, visibility=vis, attn_impl=cfg.attn_impl)
+  h, routing = model.hidden_states(batch.tokens, visibility=vis, attn_impl=cfg.attn_impl,
+                                   routing=batch.routed_experts, with_routing=True)
   teacher_h = None
   if with_teacher:
     teacher_h = jax.lax.stop_gradient(model.hidden_states(
         batch.tokens, visibility=Visibility(segment_ids=batch.segment_ids),
-        attn_impl=cfg.attn_impl))
+        attn_impl=cfg.attn_impl, routing=batch.routed_experts))
   # pi_theta is the tempered policy, so at any sampling temperature an on-policy ratio is 1;
   # top-k / top-p truncation is left to the rollout side and shows up as mismatch (TRM's job).
   unembed = model.unembed if cfg.temperature == 1.0 else (
       lambda x: model.unembed(x) / cfg.temperature)
-  return token_terms(unembed, h, batch.tokens, batch.response_mask, teacher_h=teacher_h,
-                     roll_logp_full=batch.roll_logp_full, roll_topk_logp=batch.roll_topk_logp,
-                     roll_topk_ids=batch.roll_topk_ids, chunk=cfg.chunk)
+  terms = token_terms(unembed, h, batch.tokens, batch.response_mask, teacher_h=teacher_h,
+                      roll_logp_full=batch.roll_logp_full, roll_topk_logp=batch.roll_topk_logp,
+                      roll_topk_ids=batch.roll_topk_ids, chunk=cfg.chunk)
+  return (terms, routing) if with_routing else terms
+
+
+def replay_flip_rate(routing, routed_experts: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  """Fraction of (token, MoE layer) choices where the learner's own top-k set differs from
+  the replayed one, over the tokens the sampler fed (valid and recorded)."""
+  fed = (segment_ids > 0)[:, None, :] & jnp.all(routed_experts >= 0, axis=-1)  # [B, L_moe, T]
+  own = jnp.sort(routing.own, axis=-1)
+  rec = jnp.sort(routed_experts.astype(jnp.int32), axis=-1)
+  flips = jnp.any(own != rec, axis=-1) & fed
+  return jnp.sum(flips) / jnp.maximum(jnp.sum(fed), 1)
 
 
 def _trm_mask(cfg: LearnerConfig, terms: dict, batch: LearnerBatch):
@@ -137,7 +156,7 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   @jax.jit
   def score(params, rest, batch: LearnerBatch):
     model = nnx.merge(graphdef, params, rest)
-    terms = _forward(model, batch, cfg, with_teacher=False)
+    terms, routing = _forward(model, batch, cfg, with_teacher=False, with_routing=True)
     logp = jax.lax.stop_gradient(terms["logp"])
     seq_mask, _, metrics = _trm_mask(cfg, terms, batch)
     mask_r = batch.response_mask[:, P:]
@@ -151,6 +170,9 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     n_tok = jnp.maximum(jnp.sum(batch.response_mask), 1.0)
     metrics["learner/entropy"] = jnp.sum(terms["entropy"]) / n_tok
     metrics["learner/k3_mean"] = jnp.sum(trm.k3(log_rho_r) * mask_r) / n_tok
+    if batch.routed_experts is not None:
+      metrics["moe/replay_flip_rate"] = replay_flip_rate(routing, batch.routed_experts,
+                                                         batch.segment_ids)
     weights = jnp.ones_like(batch.response_mask)
     if cfg.mode == "sparse_rl":
       w = sparse_rl.sparse_rl_weights(logp, batch.logp_roll, batch.response_mask)
