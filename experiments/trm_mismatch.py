@@ -13,6 +13,9 @@ fp32. Every method trains on the same prompts from the same base model:
   sequence-level TRM (surrogate sum_t rho_t A masked per sequence, TRM paper Eq. 13):
                 trm_max_kl, trm_max_tv, trm_avg (avg KL), combined (max KL and avg KL),
                 ln_trm (length-normalised), ser (sequence-level mean |rho - 1|)
+  replay        replay (routing replay alone: the learner runs the sampler's recorded experts)
+                and replay_trm (routing replay + TRM-max); not in the default grid:
+                --methods replay,trm_max_kl,replay_trm,frozen
   control       frozen (lr = 0: the same prompts and sampling keys, no update)
 
 Per-step reward is dominated by how hard that step's 4 prompts are: across methods of one
@@ -60,10 +63,18 @@ METHODS = {
     "combined": {"rl.objective": "trm_surrogate", "trm.criteria": ("trm_max_avg_kl",)},
     "ln_trm": {"rl.objective": "trm_surrogate", "trm.criteria": ("ln_trm",)},
     "ser": {"rl.objective": "trm_surrogate", "trm.criteria": ("ser",)},
+    # Routing replay: the learner runs the sampler's recorded experts, alone and under TRM.
+    "replay": {"rl.objective": "trm_surrogate", "trm.criteria": (),
+               "rollout.routing_replay": True},
+    "replay_trm": {"rl.objective": "trm_surrogate", "trm.criteria": ("trm_max_kl",),
+                   "rollout.routing_replay": True},
     # Control: the base policy, never updated (AdamW at lr 0 leaves it bitwise unchanged).
     "frozen": {"rl.objective": "ppo_clip", "trm.criteria": (), "optim.lr": 0.0},
 }
+# What the default grid runs (the replay methods are asked for by name, --methods).
+DEFAULT_METHODS = [m for m in METHODS if not m.startswith("replay")]
 TOKEN_LEVEL = ("ppo_clip", "token_mask", "tis")
+REPLAY_ONLY = ("replay",)   # routing replay without a trust region: neither kind above
 CONTROL = "frozen"
 CURVE_KEYS = ("reward", "trm/ppl_gap", "trm/reject_rate")
 
@@ -78,7 +89,8 @@ def method_stats(workdir: str, cells) -> dict:
   """Per run: reward first/last 10 %, PPL gap first/last 10 %, rejection, held-out evaluation
   at step 0 and at the end (greedy and avg@k); seed lists, plus the seeds themselves."""
   out = {k: [] for k in ("seed", "reward_first", "reward_last", "gap_first", "gap_last",
-                         "abs_gap_last", "reject", "eval", "avg_first", "avg_last")}
+                         "abs_gap_last", "reject", "eval", "avg_first", "avg_last", "max_kl",
+                         "mean_kl", "flip")}
   buckets: dict[str, list[float]] = {}
   for c in cells:
     if not sweep.is_done(workdir, c):
@@ -95,6 +107,13 @@ def method_stats(workdir: str, cells) -> dict:
     out["gap_last"].append(gl)
     out["abs_gap_last"].append(agl)
     out["reject"].append(float(np.nanmean(series["trm/reject_rate"])))
+    col = lambda k: np.array([r.get(k) if r.get(k) is not None else np.nan
+                              for r in records if "reward" in r], float)
+    # Largest token KL(pi_roll || pi_theta) of each batch, and E[sum_t KL] per token.
+    out["max_kl"].append(float(np.nanmean(col("trm/delta_hat"))))
+    out["mean_kl"].append(float(np.nanmean(col("trm/kl_seq_hat") / col("response_len"))))
+    flip = col("moe/replay_flip_rate")
+    out["flip"].append(float(np.nanmean(flip)) if np.isfinite(flip).any() else math.nan)
     out["seed"].append(dict(c.overrides)["seed"])
     with open(os.path.join(sweep.cell_dir(workdir, c), "summary.json")) as f:
       summ = json.load(f)
@@ -128,7 +147,7 @@ def claims(stats: dict) -> list[str]:
   """
   lines = []
   tok = [m for m in TOKEN_LEVEL if m in stats]
-  trm = [m for m in stats if m not in TOKEN_LEVEL and m != CONTROL]
+  trm = [m for m in stats if m not in TOKEN_LEVEL + REPLAY_ONLY and m != CONTROL]
   runs = lambda ms, f: [f(stats[m], i) for m in ms for i in range(len(stats[m]["reward_last"]))]
   if tok and trm:
     held = lambda s, i: s["avg_last"][i] - s["avg_first"][i]
@@ -148,6 +167,7 @@ def claims(stats: dict) -> list[str]:
     lines.append(f"- PPL gap: |Delta_PPL| over the last 10 % of steps, TRM {d.mean_a:.4f} vs "
                  f"token-level {d.mean_b:.4f}. 'TRM keeps the gap smaller': "
                  f"{d.verdict('lower')}.")
+  lines += replay_claims(stats)
   for m in ("trm_max_kl", "trm_max_tv", "ln_trm", "ser"):
     if m not in stats or not stats[m]["buckets"]:
       continue
@@ -159,6 +179,33 @@ def claims(stats: dict) -> list[str]:
                  f"{short.replace('_', '-')} tokens vs {d.mean_a:.3f} for "
                  f"{long_.replace('_', '-')} tokens. Rejects long responses more: "
                  f"{d.verdict('higher')}.")
+  return lines
+
+
+def replay_claims(stats: dict) -> list[str]:
+  """Routing replay against TRM: what replay removes, what it leaves to TRM."""
+  lines = []
+  if "replay" in stats and "trm_max_kl" in stats:
+    d = report.compare(stats["replay"]["max_kl"], stats["trm_max_kl"]["max_kl"])
+    lines.append(f"- Routing replay removes the flip-induced divergence spikes: largest token KL "
+                 f"{d.mean_a:.4f} with replay vs {d.mean_b:.4f} without (trm_max_kl's "
+                 f"batches): {d.verdict('lower')}. What remains is the bf16 sampler's "
+                 "arithmetic, which replay cannot remove.")
+  if "replay_trm" in stats and "trm_max_kl" in stats:
+    d = report.compare(stats["replay_trm"]["reject"], stats["trm_max_kl"]["reject"])
+    lines.append(f"- With replay TRM-max rejects {d.mean_a:.3f} of the sequences vs "
+                 f"{d.mean_b:.3f} without (same delta): fewer sequences leave the trust "
+                 f"region: {d.verdict('lower')}.")
+  if CONTROL in stats:
+    ctl = dict(zip(stats[CONTROL]["seed"], stats[CONTROL]["avg_last"]))
+    for m in ("replay", "replay_trm", "trm_max_kl"):
+      if m in stats:
+        diffs = [a - ctl.get(sd, math.nan) for sd, a in zip(stats[m]["seed"],
+                                                            stats[m]["avg_last"])]
+        d = report.compare(diffs, [0.0] * len(diffs))
+        lines.append(f"- {m}: held-out avg@k at the end minus the frozen control's "
+                     f"{d.mean_a:+.3f} over {d.n_a} seeds: above the control: "
+                     f"{d.verdict('higher')}.")
   return lines
 
 
@@ -188,12 +235,14 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
   gain = control_adjusted_gain(stats) if CONTROL in stats else lambda s, i: math.nan
   header = ["method", "reward first 10%", "reward last 10%", "change - control",
             "held-out avg@k step 0", "held-out avg@k end", "greedy eval end",
-            "Delta_PPL first 10%", "Delta_PPL last 10%", "reject rate"]
+            "Delta_PPL first 10%", "Delta_PPL last 10%", "reject rate", "largest token KL",
+            "mean token KL", "replay flip rate"]
   fmt = report.fmt_values
   rows = [[m, fmt(s["reward_first"]), fmt(s["reward_last"]),
            fmt([gain(s, i) for i in range(len(s["seed"]))]) if m != CONTROL else "-",
            fmt(s["avg_first"]), fmt(s["avg_last"]), fmt(s["eval"]),
-           fmt(s["gap_first"]), fmt(s["gap_last"]), fmt(s["reject"])]
+           fmt(s["gap_first"]), fmt(s["gap_last"]), fmt(s["reject"]), fmt(s["max_kl"]),
+           fmt(s["mean_kl"]), fmt(s["flip"])]
           for m, s in stats.items()]
   names = sorted({b for s in stats.values() for b in s["buckets"]}, key=report.bucket_order)
   brows = [[m] + [report.fmt_values(s["buckets"].get(b, [])) for b in names]
@@ -221,7 +270,7 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--methods", default=",".join(METHODS))
+  p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
   p.add_argument("--router-noise", type=float, default=0.15)
   report.add_run_args(p, "trm_mismatch", seeds="0,1,2", batch=32, eval_problems=32)
   p.add_argument("--eval-samples", type=int, default=4, help="k of the held-out avg@k")
