@@ -33,6 +33,29 @@ Costs worth knowing: H2O's prefill scores materialise the prompt's [B, K, G, P, 
 probabilities once (the column sums are what H2O accumulates); SnapKV only needs the window's
 [B, K, G, W, P]. Decode attention reads all C slots every step (empty ones masked), so the
 dense cache costs P + R - 1 slots per step from the first step on.
+
+Where a decode step's time goes (`python -m bench.decode_profile`, bench model: Qwen3 4 layers,
+d 512, vocab 32000; batch 8, prompt 128, 128 new tokens, dense cache; quiet 2-core CPU; summed
+thunk times, ms per step; bench/results/decode_profile.json):
+
+                        fp32 before  fp32 after   bf16 before  bf16 after
+  Gumbel noise, PRNG       2.55        0.01          2.52        0.01
+  vocabulary projection    1.92        2.01          1.60        1.46
+  MLP matmuls              1.98        1.90          1.87        1.45
+  q/k/v/o matmuls          1.00        0.81          0.96        0.61
+  attention                1.10        1.10          0.53        0.65
+  sampling, entropy        0.10        0.15          0.12        0.14
+  cache writes             0.07        0.05          0.33        0.06
+  loop, casts, other       0.90        0.09          1.22        0.33
+  wall per step            8.85        5.32          8.16        4.13
+
+Before: `jax.random.categorical` (threefry Gumbel noise for all V entries, two logs and an
+argmax per row), fp32 copies of every bf16 weight made per call (XLA:CPU upcasts a bf16 x
+bf16 -> bf16 matmul) and read at every step, the o_proj weight re-laid-out at every step, bf16
+cache writes through fp32. After: `sampling.inverse_cdf` with one uniform per row, fp32
+accumulation requested so bf16 weights stay bf16 (`layers.project`), o_proj contracted as one
+[N*H] dimension, bf16 tables and caches updated as their bits. What is left is the matmuls
+(memory bound: the weights are read once per step) and attention over the cache.
 """
 from __future__ import annotations
 
