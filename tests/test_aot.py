@@ -1,0 +1,201 @@
+"""Ahead-of-time TPU compiles of the trainer's programs (trm_jax.aot) without a TPU.
+
+  * the TPU kernel under a mesh (`kernels.tpu_partition`): on 4 simulated CPU devices through
+    the Mosaic interpreter, sharded over data rows and tensor kv heads, it equals the
+    unsharded kernel bitwise, outputs and gradients;
+  * the loop-aware cost (`hlo_cost`): nested scans count every trip, an unreadable loop takes
+    the caller's trip count and says so, the attention kernels' FLOPs are the analytic ones;
+  * the CLI compiles a tiny SMD config (h2o cache, shadow-masked learner through the kernel)
+    for a v5e:2x2 slice: every program fits, with the resident batch counted exactly; a
+    program that does not fit exits 1 naming its knobs; bad input gets one line naming it.
+
+Everything but the first test needs libtpu (`pip install -e .[tpu]`) and skips without it.
+Runtime about 40 s on 2 CPU cores, most of it the CLI's three compiles.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from trm_jax import sharding as shd
+from trm_jax.kernels.flash_attention_tpu import TPUBlockSizes, flash_attention_tpu
+from trm_jax.kernels.tpu_aot import compile_for_tpu, libtpu_available
+from trm_jax.kernels.tpu_partition import flash_attention_tpu_partitioned, kernel_specs
+from trm_jax.kernels.visibility import NEVER_EVICTED, LayerVisibility
+from trm_jax.models import ModelConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_libtpu = pytest.mark.skipif(
+    not libtpu_available(), reason="libtpu not installed (pip install -e .[tpu]): no TPU compiler")
+
+
+def test_partitioned_kernel_equals_the_unsharded_kernel():
+  B, T, N, K, H = 4, 128, 4, 2, 128
+  rng = np.random.default_rng(0)
+  q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+                 for s in ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)))
+  seg = jnp.asarray((np.arange(T)[None] < np.array([[128], [100], [64], [7]])).astype(np.int32))
+  ev = np.full((B, K, T), NEVER_EVICTED, np.int32)
+  ev[:, 1, 3:40] = 90          # kv head 1 evicts a band of keys at query 90
+  vis = LayerVisibility(segment_ids=seg, evicted_at=jnp.asarray(ev))
+  blocks = TPUBlockSizes(128, 128, 128, 128)
+
+  def run(f):
+    out, pull = jax.vjp(lambda q, k, v: f(q, k, v, vis, block_sizes=blocks, interpret=True),
+                        q, k, v)
+    return (out, *pull(do))
+
+  want = jax.jit(lambda: run(flash_attention_tpu))()
+  # Rows over data, kv heads over tensor. Four devices: the Mosaic interpreter runs every
+  # device's kernel in lockstep, and eight simulated devices on two cores never meet.
+  mesh = shd.make_mesh({"data": 2, "fsdp": 1, "tensor": 2})
+  assert kernel_specs(mesh, B, K) == (PartitionSpec(("data", "fsdp"), None, "tensor", None),
+                                      PartitionSpec(("data", "fsdp"), None),
+                                      PartitionSpec(("data", "fsdp"), "tensor", None))
+  with jax.set_mesh(mesh):
+    got = jax.jit(lambda: run(flash_attention_tpu_partitioned))()
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
+@needs_libtpu
+def test_loop_aware_cost_counts_every_trip_and_the_kernels():
+  from trm_jax.hlo_cost import program_cost   # pylint: disable=g-import-not-at-top
+  n = 512
+  mm = 2.0 * n ** 3
+  x = jax.ShapeDtypeStruct((n, n), jnp.float32)
+
+  def nested(a, w):
+    inner = lambda c, _: (c @ w, None)
+    outer = lambda c, _: (jax.lax.scan(inner, c, None, length=4)[0], None)
+    return jax.lax.scan(outer, a, None, length=16)[0]
+
+  cost = program_cost(compile_for_tpu(nested, [x, x], "v5e:2x2"))
+  assert sorted((l["trips"], l["trips_source"]) for l in cost["loops"]) == [
+      (4, "condition"), (16, "condition")]
+  assert cost["xla_flops"] == pytest.approx(mm, rel=1e-3)        # XLA: each body once
+  assert cost["flops"] == pytest.approx(64 * mm, rel=1e-3)
+
+  def until(a, w):             # a data-dependent exit: the trip count cannot be read
+    cond = lambda s: (s[0] < 16) & (jnp.sum(s[1]) < 1e9)
+    return jax.lax.while_loop(cond, lambda s: (s[0] + 1, s[1] @ w), (0, a))[1]
+
+  cost = program_cost(compile_for_tpu(until, [x, x], "v5e:2x2"), default_trips=7)
+  assert [(l["trips"], l["trips_source"]) for l in cost["loops"]] == [(7, "assumed")]
+  assert cost["flops"] == pytest.approx(7 * mm, rel=1e-3)
+
+  B, T, N, K, H = 1, 1024, 8, 2, 128
+
+  def fwd_bwd(q, k, v, do):
+    out, pull = jax.vjp(lambda q, k, v: flash_attention_tpu(q, k, v), q, k, v)
+    return out, *pull(do)
+
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in
+          ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H))]
+  cost = program_cost(compile_for_tpu(fwd_bwd, args, "v5e:2x2"))
+  # forward 2 matmuls, dq 3, dk/dv 4, each 2*B*N*H*T^2/2 FLOPs (causal half)
+  assert cost["kernel_flops"] == 9 * 2 * B * N * H * T * T / 2
+  assert cost["xla_flops"] < 1e-3 * cost["kernel_flops"]           # XLA counts 0 for them
+
+
+def _tiny_model(tmp_path) -> str:
+  """A tiny Qwen3 config.json (H = 128: the kernel's lane width, as real models have)."""
+  cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128, eos_token_id=1,
+                    pad_token_id=0)
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(cfg.to_hf()))
+  return str(path)
+
+
+def _aot(*args, tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)   # the tool's host needs one CPU device, not the tests' eight
+  return subprocess.run(
+      [sys.executable, "-m", "trm_jax.aot", "--config",
+       os.path.join(ROOT, "trm_jax", "configs", "tiny_smd.py"), "--topology", "v5e:2x2",
+       "--model", _tiny_model(tmp_path), *args],
+      capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
+
+
+@needs_libtpu
+def test_tiny_smd_config_compiles_for_v5e_through_the_cli(tmp_path):
+  out = tmp_path / "report.json"
+  r = _aot("--out", str(out), "--config.rl.batch_size=32", "--config.rl.group_size=4",
+           "--config.rl.num_minibatches=2", "--config.rl.num_microbatches=2",
+           "--config.rl.chunk=32", tmp_path=tmp_path)
+  assert r.returncode == 0, r.stderr[-3000:]
+  for name in ("rollout", "score", "update"):
+    assert f"[aot] {name}: compiling ..." in r.stdout
+  assert "every program fits; roofline lower bound of one RL step" in r.stdout
+  rep = json.loads(out.read_text())
+  assert rep["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1} and rep["attn_impl"] == "pallas_tpu"
+  rows = {p["program"]: p for p in rep["programs"]}
+  assert list(rows) == ["rollout", "score", "update"] and rep["fits"]
+  P, R, L, K, V = rep["P"], rep["R"], 2, 2, 64
+  T = P + R
+  # The update's resident state is the whole rollout batch (8 of 32 rows per device): six
+  # [B, T] arrays, advantages [B], the SMD record evicted_at [B, L, K, T] and the rollout's
+  # full log-probs [B, T, V] (tiny configs keep them), 4 bytes each.
+  assert rows["update"]["resident_bytes"] == 8 * (6 * T + 1 + L * K * T + T * V) * 4
+  assert rows["update"]["calls_per_step"] == 2 and rows["score"]["calls_per_step"] == 1
+  for row in rows.values():
+    assert row["fits"] and 0 < row["total_bytes"] < row["hbm_bytes"] == 16 * 2**30
+    assert row["flops"] > 0 and row["bytes_accessed"] > 0 and row["roofline_s"] > 0
+  # The learner's attention runs through the kernel (counted analytically), in a microbatch
+  # scan of rl.num_microbatches trips read from the loop condition.
+  assert rows["score"]["kernel_flops"] > 0 and rows["update"]["kernel_flops"] > 0
+  assert (2, "condition") in {(l["trips"], l["trips_source"]) for l in rows["update"]["loops"]}
+  # The sampler's decode loop exits on EOS: it is counted at its longest, R - 1 steps.
+  assert (R - 1, "assumed") in {(l["trips"], l["trips_source"])
+                                for l in rows["rollout"]["loops"]}
+  assert rep["step_roofline_s"] == pytest.approx(
+      sum(r["roofline_s"] * r["calls_per_step"] for r in rows.values()))
+
+
+@needs_libtpu
+def test_program_that_does_not_fit_exits_1_naming_its_knobs(tmp_path):
+  # 2^20 rows of sampler KV cache: tens of GiB per v5e chip.
+  r = _aot("--programs", "rollout", "--config.rl.batch_size=1048576",
+           "--config.rl.group_size=8", tmp_path=tmp_path)
+  assert r.returncode == 1, r.stderr[-3000:]
+  assert "[aot] rollout: does NOT fit: " in r.stdout
+  assert "rollout does not fit on v5e:2x2; knobs that change its memory:" in r.stderr
+  assert "rl.batch_size (rows sampled at once" in r.stderr
+  rep = json.loads((tmp_path / "aot_tiny_smd_v5e_2x2.json").read_text())
+  row = rep["programs"][0]
+  assert not rep["fits"] and not row["fits"] and row["xla_required_bytes"] > 16 * 2**30
+
+
+@needs_libtpu
+@pytest.mark.parametrize("args,msg", [
+    (["--config.rl.num_microbatchez=4"], "error: unknown config key 'rl.num_microbatchez' "
+     "(from '--config.rl.num_microbatchez=4'); did you mean rl.num_microbatches, "
+     "rl.num_minibatches, rl.num_epochs?"),
+    (["--topology", "v9x:2x2"], "error: topology 'v9x:2x2': unknown TPU generation 'v9x'; "
+     "known: v4, v5e, v5p, v6e"),
+    (["--topology", "v5e:3x3"], "error: topology 'v5e:3x3': INVALID_ARGUMENT: Topology layout "
+     "\"v5e:3x3\" is not divisible"),
+    (["--config.mesh.data=1", "--config.mesh.fsdp=3"], "error: mesh.data=1 * mesh.fsdp=3 * "
+     "mesh.tensor=1 = 3 devices, but 4 are present"),
+    (["--model", "/nonexistent/ckpt"], "error: no HF config.json at /nonexistent/ckpt "
+     "(expected a checkpoint directory or a config.json file)"),
+    (["--programs", "rollout,train"], "error: unknown programs ['train']; expected some of "
+     "('rollout', 'score', 'update')"),
+])
+def test_bad_input_is_one_line_naming_it(tmp_path, capsys, args, msg):
+  from trm_jax import aot   # pylint: disable=g-import-not-at-top
+  argv = ["--config", os.path.join(ROOT, "trm_jax", "configs", "tiny_smd.py"),
+          "--topology", "v5e:2x2", "--model", _tiny_model(tmp_path),
+          "--out", str(tmp_path / "r.json"), *args]
+  assert aot.main(argv) == 2
+  err = capsys.readouterr().err
+  assert msg in err, err
+  assert len(err.strip().splitlines()) == 1
+  assert not (tmp_path / "r.json").exists()

@@ -1,0 +1,492 @@
+r"""Ahead-of-time compile of a config's training programs for a TPU slice, on a machine without one.
+
+  pip install -e '.[tpu]'
+  python -m trm_jax.aot --config trm_jax/configs/qwen3_8b_dapo_trm.py --topology v5p:4x4x4 \
+      [--model Qwen3-8B | --model /ckpt/Qwen3-8B | --model path/to/config.json] \
+      [--programs rollout,score,update] [--out aot.json] [--config.rl.num_microbatches=4 ...]
+
+Builds the config's mesh (`config.mesh`) over the devices of a named TPU topology (libtpu's
+`jax.experimental.topologies`: v4, v5e, v5p, v6e) and compiles, through the real XLA:TPU and
+Mosaic compilers, the three programs one RL step runs, at the config's shapes and shardings,
+with abstract parameters (nothing is allocated, nothing runs):
+
+  rollout  the sampler (`rollout.generate_from_state`: prefill, then the decode loop with the
+           config's KV-cache policy), once per step over rl.batch_size rows;
+  score    the learner's scoring pass (`rl.learner.make_learner`), over the whole batch;
+  update   the learner's update (microbatch scan, optimizer, SMD teacher when smd.mode is
+           "smd"), rl.num_minibatches * rl.num_epochs times per step.
+
+For each program it prints a progress line and records, per device (per chip; v4 exposes two
+devices per chip, each with half the chip): XLA's `memory_analysis()` (arguments, outputs,
+temporaries, generated code, donated bytes), the train-state buffers that stay resident
+across the program (AdamW's moments during rollout and score, the full rollout batch during
+the minibatch updates), their total against the chip's HBM, FLOPs and bytes accessed with
+loops counted per trip (`trm_jax.hlo_cost`; XLA's own `cost_analysis()` counts a loop body
+once and is kept beside them), and a roofline lower bound on its time,
+max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth), from the public chip figures in
+`kernels.tpu_aot.CHIPS`. The step bound sums the programs times their calls per step; the
+sampler's bound assumes every row runs to task.max_new_tokens (the decode loop's trip count).
+
+A program that does not fit (XLA refuses it, or it plus the resident state exceeds HBM) makes
+the tool exit with status 1 after naming the knobs that change that program's memory.
+
+The model: `--model` (a published name in KNOWN_MODELS, a checkpoint directory or a
+config.json), else config.model.path's config.json, else a published model named by the config
+file (qwen3_8b_* -> Qwen3-8B), else the warm-up base model in warmup.cache_dir when built.
+config.model.attn_impl="auto" resolves as on a TPU host (the Pallas TPU kernel); the kernel
+runs under `shard_map` on each chip's rows and kv heads (`kernels.tpu_partition`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import re
+import resource
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")   # the host backend; TPUs come from topologies
+
+import jax                                      # noqa: E402
+import jax.numpy as jnp                         # noqa: E402
+import ml_collections                           # noqa: E402
+from flax import nnx                            # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from trm_jax import config as config_lib        # noqa: E402
+from trm_jax import hlo_cost                    # noqa: E402
+from trm_jax import sharding as shd             # noqa: E402
+from trm_jax import step as step_lib            # noqa: E402
+from trm_jax.config import FILE_TASKS, ConfigError  # noqa: E402
+from trm_jax.kernels import tpu_aot             # noqa: E402
+from trm_jax.kernels.attention import resolve_impl  # noqa: E402
+from trm_jax.kernels.tpu_partition import partitioned_in_attention  # noqa: E402
+from trm_jax.models import Decoder, ModelConfig  # noqa: E402
+from trm_jax.rl.learner import LearnerBatch, make_learner  # noqa: E402
+from trm_jax.rollout import generate_from_state, sampler_graphdef, sampling_config  # noqa: E402
+
+GiB = 2**30
+PROGRAMS = ("rollout", "score", "update")
+
+# Architecture fields of the published config.json files the paper configs train.
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_attention_heads=32,
+              num_key_value_heads=8, head_dim=128, num_hidden_layers=36, rms_norm_eps=1e-6,
+              hidden_act="silu", attention_bias=False, bos_token_id=151643,
+              eos_token_id=151645)
+KNOWN_MODELS = {
+    # huggingface.co/Qwen/Qwen3-8B/blob/main/config.json
+    "Qwen3-8B": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, rope_theta=1000000.0,
+                     tie_word_embeddings=False, max_position_embeddings=40960),
+    # huggingface.co/Qwen/Qwen3-4B-Instruct-2507/blob/main/config.json
+    "Qwen3-4B": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, rope_theta=5000000.0,
+                     tie_word_embeddings=True, max_position_embeddings=262144),
+}
+
+# What changes each program's per-chip memory, named in the report of a program that does
+# not fit (the trainer's out-of-memory message names the learner's: step.OOM_KNOBS).
+KNOBS = {
+    "rollout": ("rl.batch_size (rows sampled at once; the KV cache is [B, K, C, H] per layer)",
+                "task.max_new_tokens / task.max_prompt_len (cache slots C)",
+                "rollout.cache.policy / ratio (a compressed cache has fewer slots)",
+                "mesh.fsdp / mesh.data (more chips share the rows) or mesh.tensor (kv heads)"),
+    "score": ("rl.chunk (positions per [B, chunk, V] vocabulary projection)",
+              "rl.batch_size (the scoring pass runs the whole rollout batch)",
+              "mesh.fsdp / mesh.data / mesh.tensor (more chips share rows, heads, vocabulary)"),
+    "update": ("rl.num_microbatches (raise it: fewer rows per microbatch)",
+               "model.remat=True (recompute block activations in the backward pass)",
+               "rl.chunk (lower it: fewer positions per vocabulary projection)",
+               "rl.num_minibatches (smaller minibatches)",
+               "mesh.fsdp (shard parameters and AdamW state over more chips) / mesh.tensor"),
+}
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs: model architecture, lengths, mesh
+# ------------------------------------------------------------------------------------------
+def resolve_model(c: ml_collections.ConfigDict, model: str = "",
+                  config_path: str = "") -> tuple[dict, str]:
+  """(HF config.json dict, where it came from); see the module docstring for the order."""
+  def read(path: str) -> dict:
+    if os.path.isdir(path):
+      path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+      raise ConfigError(f"no HF config.json at {path} (expected a checkpoint directory or a "
+                        "config.json file)")
+    with open(path) as f:
+      try:
+        return json.load(f)
+      except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+
+  known = {k.lower(): k for k in KNOWN_MODELS}
+  if model:
+    if model.lower() in known:
+      return dict(KNOWN_MODELS[known[model.lower()]]), f"{known[model.lower()]} (published config)"
+    return read(model), model
+  if c.model.path:
+    return read(c.model.path), c.model.path
+  stem = os.path.basename(config_path).lower()
+  for name in KNOWN_MODELS:
+    if name.lower().replace("-", "_") in stem:
+      return dict(KNOWN_MODELS[name]), f"{name} (published config, named by {stem})"
+  from trm_jax import warmup  # pylint: disable=g-import-not-at-top
+  base = os.path.expanduser(c.warmup.cache_dir)
+  if warmup.is_current(base, c):
+    return read(base), f"warm-up base model {base}"
+  raise ConfigError("config.model.path is empty and the warm-up base model is not built "
+                    f"({base}); pass --model with one of {', '.join(KNOWN_MODELS)}, a "
+                    "checkpoint directory or a config.json")
+
+
+def task_lengths(c: ml_collections.ConfigDict) -> tuple[int, int]:
+  """(P, R): prompt bucket and new tokens, as `data.task.Task` sizes them."""
+  t = c.task
+  if t.max_prompt_len and t.max_new_tokens:
+    return int(t.max_prompt_len), int(t.max_new_tokens)
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from trm_jax.data import synthetic  # pylint: disable=g-import-not-at-top
+  from trm_jax.data.task import Task  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as d:   # synthetic only: file tasks must set both
+    task = Task(t, seed=c.seed, tokenizer=synthetic.make_synthetic_tokenizer(d),
+                eval_problems=0)
+  return task.max_prompt_len, task.max_new_tokens
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """`config.validate`, except that the data files need not exist (nothing is read)."""
+  c = ml_collections.ConfigDict(c.to_dict())
+  if c.task.name in FILE_TASKS:
+    c.task.path = c.task.path or "(not read by trm_jax.aot)"
+    if c.task.eval_name:
+      c.task.eval_path = c.task.eval_path or "(not read by trm_jax.aot)"
+  config_lib.validate(c)
+
+
+# ------------------------------------------------------------------------------------------
+# Abstract train state and programs
+# ------------------------------------------------------------------------------------------
+def _sds(x, sharding) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def device_bytes(tree) -> int:
+  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree) if x is not None)
+
+
+def meshes(c: ml_collections.ConfigDict, devices: Sequence):
+  """(learner mesh, sampler mesh) as the trainer builds them (`train.make_mesh`): with
+  mesh.rollout_devices = n > 0 the sampler gets the first n devices as a data-parallel mesh
+  and the learner the config's (data, fsdp, tensor) axes over the rest; else both share one."""
+  n = int(c.mesh.get("rollout_devices", 0))
+  axes = {k: v for k, v in c.mesh.items() if k != "rollout_devices"}
+  if n >= len(devices):
+    raise ConfigError(f"bad config value [mesh.rollout_devices]: {n} sampler devices leave "
+                      f"none of the topology's {len(devices)} devices to the learner")
+  try:
+    learner = shd.mesh_from_config(axes, list(devices[n:]), key="mesh")
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  return learner, (shd.make_mesh({"data": n}, list(devices[:n])) if n else learner)
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything the programs are lowered with (abstract, sharded on the topology's mesh)."""
+  mesh: jax.sharding.Mesh
+  mcfg: ModelConfig
+  P: int
+  R: int
+  impl: str                 # resolved attention impl
+  programs: dict            # name -> (jitted fn, abstract args, resident tree, calls per step,
+                            #   mesh it runs on)
+
+
+def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence) -> Setup:
+  """The trainer's programs (`step.make_context`, `step.rl_step`) over abstract state."""
+  mesh, sampler_mesh = meshes(c, devices)
+  P, R = task_lengths(c)
+  T = P + R
+  impl = resolve_impl(c.model.attn_impl, "tpu")
+  try:
+    mcfg = ModelConfig.from_hf(hf, dtype=step_lib.DTYPES[c.model.dtype], remat=c.model.remat)
+  except ValueError as e:   # an unsupported or incomplete config.json: the user's input
+    raise ConfigError(str(e)) from e
+
+  # Model, parameters sharded by their logical axes (as hf_io.from_pretrained places them).
+  model = nnx.eval_shape(lambda: Decoder(mcfg, rngs=nnx.Rngs(0)))
+  state = nnx.state(model)
+  nnx.update(model, jax.tree.map(lambda v, s: _sds(v.get_value(), s), state,
+                                 shd.state_shardings(state, mesh),
+                                 is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  # Optimizer and learner, as step.make_context / init_learner_state build them.
+  tx = step_lib.make_optimizer(c)
+  param_sh = jax.tree.map(lambda x: x.sharding, params)
+  opt_sh = shd.opt_state_shardings(tx, params, mesh)
+  opt_state = jax.tree.map(_sds, jax.eval_shape(tx.init, params), opt_sh)
+  lcfg = dataclasses.replace(step_lib.learner_config(c, max_len=R), attn_impl=impl)
+  score, update = make_learner(graphdef, tx, lcfg, response_start=P,
+                               state_shardings=(param_sh, opt_sh))
+
+  # Sampler, as step.make_context configures it and step.sample calls it.
+  r = c.rollout
+  roll = sampling_config(
+      mcfg, max_new_tokens=R, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+      keep_full_logprobs=r.keep_full_logprobs, keep_topk_logprobs=r.keep_topk_logprobs,
+      logit_noise=r.logit_noise, router_noise_scale=r.router_noise)
+  roll_graphdef = sampler_graphdef(model, step_lib.DTYPES[r.dtype])
+  cache = step_lib.cache_config(c)
+
+  def rollout(state, prompt_ids, prompt_lengths, key):
+    return generate_from_state(roll_graphdef, state, prompt_ids, prompt_lengths, key=key,
+                               sampling_config=roll, cache_config=cache, attn_impl=impl)
+
+  def per_row(shape, dtype, on=mesh):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=shd.batch_sharding(on, shape))
+
+  # The sampler reads the parameters where it runs: the learner's arrays when colocated, a
+  # copy on its own devices when disaggregated (step.dispatch_rollout).
+  roll_state = nnx.merge_state(params, rest)
+  if sampler_mesh is not mesh:
+    roll_state = jax.tree.map(_sds, roll_state, shd.state_shardings(roll_state, sampler_mesh))
+  replicated = NamedSharding(sampler_mesh, PartitionSpec())
+  B = c.rl.batch_size
+  roll_args = (roll_state, per_row((B, P), jnp.int32, sampler_mesh),
+               jax.ShapeDtypeStruct((B,), jnp.int32, sharding=replicated),
+               _sds(jax.eval_shape(lambda: jax.random.key(0)), replicated))
+
+  def batch(n: int) -> LearnerBatch:
+    """The learner batch of n rows that step.rl_step builds from a rollout."""
+    f32 = lambda *s: per_row(s, jnp.float32)
+    k = r.keep_topk_logprobs
+    return LearnerBatch(
+        tokens=per_row((n, T), jnp.int32), segment_ids=per_row((n, T), jnp.int32),
+        response_mask=f32(n, T), logp_roll=f32(n, T), advantages=f32(n), logp_old=f32(n, T),
+        token_weights=f32(n, T),
+        evicted_at=(per_row((n, mcfg.num_layers, mcfg.num_kv_heads, T), jnp.int32)
+                    if lcfg.mode == "smd" else None),
+        roll_logp_full=f32(n, T, mcfg.vocab_size) if r.keep_full_logprobs else None,
+        roll_topk_logp=f32(n, T, k) if k else None,
+        roll_topk_ids=per_row((n, T, k), jnp.int32) if k else None,
+        logp_ref=f32(n, T) if lcfg.kl_beta > 0 else None)
+
+  full, mb = batch(B), batch(B // c.rl.num_minibatches)
+  # Parameter copies the learner's devices hold besides params and opt_state: the frozen
+  # reference policy (rl.kl_beta > 0) and the rl.staleness older versions (step.TrainState).
+  copies = (lcfg.kl_beta > 0) + int(c.rl.get("staleness", 0))
+  extra = [params] * copies
+  learner_resident = (opt_state, extra)
+  programs = {
+      # Disaggregated, the sampler's devices hold only what the program takes.
+      "rollout": (jax.jit(rollout), roll_args,
+                  learner_resident if sampler_mesh is mesh else (), 1, sampler_mesh),
+      "score": (score, (params, rest, full), learner_resident, 1 + (lcfg.kl_beta > 0), mesh),
+      "update": (update, (params, opt_state, rest, mb), (full, extra),
+                 c.rl.num_minibatches * c.rl.num_epochs, mesh),
+  }
+  return Setup(mesh=mesh, mcfg=mcfg, P=P, R=R, impl=impl, programs=programs)
+
+
+# ------------------------------------------------------------------------------------------
+# Compile and measure
+# ------------------------------------------------------------------------------------------
+_OOM = re.compile(r"(?:required for HLO temporaries \(|Used )([\d.]+)([KMGT])")
+
+
+def measure(name: str, fn, args, resident, calls: int, *, mesh, chip: tpu_aot.ChipSpec,
+            devices_per_chip: int, default_trips: Optional[int],
+            hlo_dir: str = "") -> dict:
+  """Compiles one program and returns its row of the report."""
+  hbm = chip.hbm_bytes // devices_per_chip
+  peak = chip.peak_bf16_flops / devices_per_chip
+  bw = chip.hbm_bytes_per_s / devices_per_chip
+  row = {"program": name, "calls_per_step": calls, "hbm_bytes": hbm,
+         "resident_bytes": device_bytes(resident)}
+  t0 = time.time()
+  try:
+    with jax.set_mesh(mesh), partitioned_in_attention():
+      lowered = fn.lower(*args)
+      row["lower_s"] = round(time.time() - t0, 1)
+      compiled = lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except
+    msg = str(e)
+    if "RESOURCE_EXHAUSTED" not in msg:
+      raise
+    line = next((l for l in msg.splitlines() if "RESOURCE_EXHAUSTED" in l), msg.splitlines()[0])
+    row.update(compile_s=round(time.time() - t0, 1), fits=False, error=line.strip()[:400])
+    m = _OOM.search(msg)
+    if m:
+      row["xla_required_bytes"] = int(float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024)
+    return row
+  row["compile_s"] = round(time.time() - t0, 1)
+  row["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  del lowered
+  mem = compiled.memory_analysis()
+  row.update(argument_bytes=int(mem.argument_size_in_bytes),
+             output_bytes=int(mem.output_size_in_bytes),
+             alias_bytes=int(mem.alias_size_in_bytes),
+             temp_bytes=int(mem.temp_size_in_bytes),
+             code_bytes=int(mem.generated_code_size_in_bytes))
+  row["total_bytes"] = (row["argument_bytes"] + row["output_bytes"] - row["alias_bytes"] +
+                        row["temp_bytes"] + row["code_bytes"] + row["resident_bytes"])
+  row["fits"] = row["total_bytes"] <= hbm
+  text, xla = compiled.as_text(), compiled.cost_analysis()
+  del compiled   # the executable is the largest object the host holds
+  gc.collect()
+  if hlo_dir:
+    os.makedirs(hlo_dir, exist_ok=True)
+    with open(os.path.join(hlo_dir, f"{name}.hlo.txt"), "w") as f:
+      f.write(text)
+  cost = hlo_cost.hlo_text_cost(text, default_trips=default_trips, xla=xla)
+  row.update(flops=cost["flops"], bytes_accessed=cost["bytes_accessed"],
+             kernel_flops=cost["kernel_flops"], xla_flops=cost["xla_flops"],
+             xla_bytes_accessed=cost["xla_bytes"], loops=cost["loops"])
+  t_compute, t_memory = cost["flops"] / peak, cost["bytes_accessed"] / bw
+  row.update(roofline_s=max(t_compute, t_memory), compute_s=t_compute, memory_s=t_memory,
+             bound="compute" if t_compute >= t_memory else "memory")
+  return row
+
+
+def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
+                   programs: Sequence[str] = PROGRAMS, hlo_dir: str = "",
+                   log: Callable[[str], None] = print) -> dict:
+  """Compiles `programs` of config `c` for `topology`; returns the report (see main)."""
+  validate(c)
+  unknown = set(programs) - set(PROGRAMS)
+  if unknown:
+    raise ConfigError(f"unknown programs {sorted(unknown)}; expected some of {PROGRAMS}")
+  chip = tpu_aot.chip_spec(topology)
+  try:
+    devices = tpu_aot.topology_devices(topology)
+  except jax.errors.JaxRuntimeError as e:   # libtpu refuses the shape (e.g. "v5e:3x3")
+    raise ConfigError(f"topology {topology!r}: {str(e).splitlines()[0]}") from e
+  per_chip = max(1, len(devices) // tpu_aot.topology_chips(topology))
+  t0 = time.time()
+  s = build(c, hf, devices)
+  log(f"[aot] {topology}: {len(devices)} devices, mesh {dict(s.mesh.shape)}; model "
+      f"L={s.mcfg.num_layers} D={s.mcfg.hidden_size} V={s.mcfg.vocab_size}; P={s.P} R={s.R}; "
+      f"attention {s.impl}")
+  rows = []
+  for name in programs:
+    fn, args, resident, calls, mesh = s.programs[name]
+    log(f"[aot] {name}: compiling ...")
+    row = measure(name, fn, args, resident, calls, mesh=mesh, chip=chip,
+                  devices_per_chip=per_chip, hlo_dir=hlo_dir,
+                  default_trips=s.R - 1 if name == "rollout" else None)
+    log("[aot] " + describe(row))
+    rows.append(row)
+  fit = all(r["fits"] for r in rows)
+  step_s = sum(r["roofline_s"] * r["calls_per_step"] for r in rows) if fit else None
+  return {
+      "what": "per-device memory and loop-aware cost of the RL step's programs, compiled "
+              "ahead of time for a TPU topology (trm_jax.aot)",
+      "topology": topology, "devices": len(devices), "devices_per_chip": per_chip,
+      "chip": dataclasses.asdict(chip), "mesh": dict(s.mesh.shape),
+      "model": dataclasses.asdict(s.mcfg), "P": s.P, "R": s.R, "attn_impl": s.impl,
+      "config": json.loads(c.to_json_best_effort()),
+      "jax_version": jax.__version__, "libtpu_version": _libtpu_version(),
+      "programs": rows, "fits": fit, "step_roofline_s": step_s,
+      "wall_s": round(time.time() - t0, 1)}
+
+
+def describe(row: dict) -> str:
+  name = row["program"]
+  if "error" in row:
+    return f"{name}: does NOT fit: {row['error']} ({row['compile_s']}s)"
+  fit = "fits" if row["fits"] else "does NOT fit"
+  return (f"{name}: {row['total_bytes'] / GiB:.2f} of {row['hbm_bytes'] / GiB:.1f} GiB per "
+          f"device, {fit} (args {row['argument_bytes'] / GiB:.2f}, out "
+          f"{row['output_bytes'] / GiB:.2f}, donated {row['alias_bytes'] / GiB:.2f}, temp "
+          f"{row['temp_bytes'] / GiB:.2f}, code {row['code_bytes'] / GiB:.2f}, resident "
+          f"{row['resident_bytes'] / GiB:.2f}); {row['flops'] / 1e12:.1f} TFLOP, "
+          f"{row['bytes_accessed'] / 1e9:.1f} GB accessed -> roofline {row['roofline_s']:.3g} "
+          f"s ({row['bound']}-bound) x {row['calls_per_step']} per step; compiled in "
+          f"{row['compile_s']}s, host peak {row['host_peak_rss_bytes'] / GiB:.1f} GiB")
+
+
+def _libtpu_version() -> str:
+  from importlib.metadata import PackageNotFoundError, version  # pylint: disable=g-import-not-at-top
+  try:
+    return version("libtpu")
+  except PackageNotFoundError:
+    return "unknown"
+
+
+# ------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------
+def main(argv: Sequence[str]) -> int:
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  fv = flags.FlagValues()
+  cfg = config_flags.DEFINE_config_file("config", None, "experiment config (python file)",
+                                        flag_values=fv, lock_config=True)
+  topo = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x4", flag_values=fv)
+  model = flags.DEFINE_string("model", "", f"{' | '.join(KNOWN_MODELS)} | checkpoint dir | "
+                              "config.json (default: see the module docstring)", flag_values=fv)
+  progs = flags.DEFINE_list("programs", list(PROGRAMS), "programs to compile", flag_values=fv)
+  out = flags.DEFINE_string("out", "", "report path (default aot_<config>_<topology>.json)",
+                            flag_values=fv)
+  hlo_dir = flags.DEFINE_string("hlo_dir", "", "also write each program's optimized HLO "
+                                "(one device's program) into this directory", flag_values=fv)
+  spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  if spec is None and "--config" in argv:
+    i = list(argv).index("--config")
+    spec = argv[i + 1] if i + 1 < len(argv) else None
+  try:
+    if not spec:
+      raise ConfigError("--config is required (a config file, e.g. "
+                        "trm_jax/configs/qwen3_8b_dapo_trm.py)")
+    config_lib.check_override_keys(config_lib.load_config(spec), argv)
+    # config_flags reads the `--config.x=` overrides from sys.argv itself.
+    saved, sys.argv = sys.argv, [sys.argv[0], *argv]
+    try:
+      fv(sys.argv)
+    finally:
+      sys.argv = saved
+    if not topo.value:
+      raise ConfigError("--topology is required, e.g. v5p:4x4x4, v6e:16x16, v5e:2x2")
+    if not tpu_aot.libtpu_available():
+      print("error: trm_jax.aot needs libtpu (TPU compiler): pip install -e '.[tpu]'",
+            file=sys.stderr)
+      return 2
+    try:
+      tpu_aot.chip_spec(topo.value)
+      tpu_aot.topology_chips(topo.value)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
+    c = cfg.value
+    hf, source = resolve_model(c, model.value, spec.partition(":")[0])
+    print(f"[aot] config {spec}; model {source}", flush=True)
+    report = compile_config(c, topo.value, hf, programs=progs.value, hlo_dir=hlo_dir.value,
+                            log=lambda m: print(m, flush=True))
+  except (ConfigError, flags.Error) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  report["model_source"] = source
+  stem = os.path.splitext(os.path.basename(spec.partition(":")[0]))[0]
+  path = out.value or f"aot_{stem}_{topo.value.replace(':', '_')}.json"
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(report, f, indent=2)
+  print(f"[aot] wrote {path}")
+  if not report["fits"]:
+    for row in report["programs"]:
+      if not row["fits"]:
+        print(f"[aot] {row['program']} does not fit on {topo.value}; knobs that change its "
+              "memory:\n  " + "\n  ".join(KNOBS[row["program"]]), file=sys.stderr)
+    return 1
+  print(f"[aot] every program fits; roofline lower bound of one RL step "
+        f"{report['step_roofline_s']:.3g} s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
