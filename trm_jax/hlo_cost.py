@@ -126,8 +126,17 @@ def _const(defs: dict[str, str], name: str) -> Optional[int]:
 
 
 def _gte_index(defs: dict[str, str], name: str) -> Optional[int]:
-  m = re.search(r"get-tuple-element\(%[\w.\-]+\), index=(\d+)", defs.get(name, ""))
-  return int(m.group(1)) if m else None
+  """Tuple index that `name` reads from the loop parameter (through copies and bitcasts)."""
+  for _ in range(8):
+    rhs = defs.get(name, "")
+    m = re.search(r"get-tuple-element\(%[\w.\-]+\), index=(\d+)", rhs)
+    if m:
+      return int(m.group(1))
+    m = re.search(r" (?:copy|bitcast|convert)\(%([\w.\-]+)\)", rhs)
+    if not m:
+      return None
+    name = m.group(1)
+  return None
 
 
 def _trip_count(cond: list[str], body: list[str], parent: list[str],
@@ -149,8 +158,9 @@ def _trip_count(cond: list[str], body: list[str], parent: list[str],
   if index >= len(outs):
     return None
   step = None
-  for a, b in (_operands(bdefs.get(outs[index], ""), "add"),):
-    for x, y in ((a, b), (b, a)) if a and b else ():
+  added = _operands(bdefs.get(outs[index], ""), "add")
+  if len(added) == 2:
+    for x, y in (added, added[::-1]):
       if _gte_index(bdefs, x) == index and _const(bdefs, y):
         step = _const(bdefs, y)
   if not step or step < 0:
