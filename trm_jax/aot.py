@@ -412,10 +412,10 @@ def describe(row: dict) -> str:
 
 
 def _libtpu_version() -> str:
-  from importlib.metadata import PackageNotFoundError, version  # pylint: disable=g-import-not-at-top
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
   try:
-    return version("libtpu")
-  except PackageNotFoundError:
+    return metadata.version("libtpu")
+  except metadata.PackageNotFoundError:
     return "unknown"
 
 

@@ -9,16 +9,21 @@ roofline of a training step both matter, so `program_cost` re-counts:
     that computation) and multiplied by its trip count, recursively for nested loops;
   * the trip count is read from the loop when its condition is `counter < constant` and its
     body adds a constant step (what `lax.scan`, `fori_loop` and XLA's windowed einsums lower
-    to; the start is the initial tuple's constant, else 0);
-    a loop of the program with any other condition (the sampler's `index < T - 1 and not
-    all done`) takes `default_trips` from the caller, and the result says which loops were
-    read, which assumed, and which (none expected) could only be counted once;
+    to; the start is the initial tuple's constant, else 0). A loop of the program with any
+    other condition (the sampler's `index < T - 1 and not all done`) takes `default_trips`
+    from the caller; the result says which loops were read, which assumed, and which (none
+    expected) could only be counted once;
   * the TPU attention kernels (`vis_flash_tpu_fwd`, `_bwd_dq`, `_bwd_dkdv`, see
     kernels/flash_attention_tpu.py) are counted analytically from their per-chip operand
     shapes: 2, 3 and 4 matmuls of 2*B*N*H*T^2/2 FLOPs (causal half; the kernel skips blocks
-    above the diagonal). Their bytes are XLA's (operands and results once), a lower bound.
+    above the diagonal); their bytes are operands and results once, as XLA:TPU counts a
+    custom call (a lower bound on the kernel's traffic).
 
-All figures are per device: the HLO of an SPMD program is one device's program.
+Bytes are XLA's cost model, which charges every unfused instruction its operands and
+results: a same-width bitcast-convert around an in-place cache update counts the whole
+cache twice, so the memory-bound figures are estimates of the compiled program's traffic,
+not a proof of a floor. All figures are per device: the HLO of an SPMD program is one
+device's program.
 """
 from __future__ import annotations
 
@@ -45,7 +50,8 @@ class Loop:
   body: str               # computation name
   parent: str             # computation holding the while
   trips: int              # iterations counted
-  trips_source: str       # "condition" (read from counter < constant) or "assumed"
+  trips_source: str       # "condition" (read from the loop), "assumed" (default_trips) or
+                          #   "unknown (counted once)"
   body_flops: float = 0.0   # one iteration, nested loops included
   body_bytes: float = 0.0
 
@@ -257,8 +263,9 @@ def hlo_text_cost(text: str, *, default_trips: Optional[int] = None,
 
   def walk(name: str, seen: frozenset) -> tuple[list[tuple[str, Optional[int], bool]], float,
                                                  float]:
-    """(while loops (body, trip count or None, written in the program) reachable without entering a loop body, kernel FLOPs,
-    kernel bytes) of computation `name` and the computations it calls."""
+    """(while loops reachable without entering a loop body as (body, trip count or None,
+    written in the program), kernel FLOPs, kernel bytes) of computation `name` and the
+    computations it calls."""
     found, kflops, kbytes = [], 0.0, 0.0
     for line in comps.get(name, ()):
       w = _WHILE.search(line)
