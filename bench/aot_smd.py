@@ -112,11 +112,12 @@ def _config(overrides):
   return c
 
 
-def longest(topology: str, impls, max_r: int, overrides) -> dict:
+def longest(topology: str, impls, max_r: int, overrides, r_list=()) -> dict:
+  """Per impl, R = 1024, 2048, ... (or the given r_list, ascending) until one does not fit."""
   rows, best = [], {}
   for impl in impls:
-    R = 1024
-    while R <= max_r:
+    lengths = list(r_list) or [1024 * 2**i for i in range(32) if 1024 * 2**i <= max_r]
+    for R in lengths:
       c = _config(overrides)
       c.task.max_new_tokens = R
       c.model.attn_impl = impl
@@ -126,10 +127,10 @@ def longest(topology: str, impls, max_r: int, overrides) -> dict:
       if not r["fits"]:
         break
       best[impl] = R
-      R *= 2
   c = _config(overrides)
-  return {"what": "longest task.max_new_tokens (doubling from 1024) whose SMD learner update "
-                  "fits a chip, qwen3_4b_smd_gsm8k (with `overrides`), AOT for a TPU topology",
+  return {"what": "longest task.max_new_tokens (doubling from 1024, or r_list) whose SMD "
+                  "learner update fits a chip, qwen3_4b_smd_gsm8k (with `overrides`), AOT for "
+                  "a TPU topology",
           "topology": topology, "batch_per_chip": {
               "rollout_rows": c.rl.batch_size // len(tpu_aot.topology_devices(topology)),
               "microbatch_rows": c.rl.batch_size // c.rl.num_minibatches
@@ -146,6 +147,8 @@ def main(argv=None):
   ap.add_argument("--lengths", default="4096,8192,16384")
   ap.add_argument("--impls", default="pallas_tpu,reference")
   ap.add_argument("--max_r", type=int, default=65536)
+  ap.add_argument("--r_list", default="", help="`longest`: these response lengths instead of "
+                  "doubling from 1024 (ascending), e.g. to refine between two powers of two")
   ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                   help="config override for `longest`, e.g. rl.num_microbatches=2")
   ap.add_argument("--layers", type=int, default=36, help="model layers (36: Qwen3-4B)")
@@ -160,7 +163,8 @@ def main(argv=None):
   if a.mode == "temporaries":
     out = temporaries(a.topology, [int(x) for x in a.lengths.split(",")], impls)
   else:
-    out = longest(a.topology, impls, a.max_r, a.set)
+    out = longest(a.topology, impls, a.max_r, a.set,
+                  [int(x) for x in a.r_list.split(",")] if a.r_list else ())
   out.update(layers=LAYERS, jax_version=aot.jax.__version__,
              libtpu_version=aot._libtpu_version(), wall_s=round(time.time() - t0, 1))
   path = a.out or (f"bench/results/aot_smd_{a.mode}_{a.topology.replace(':', '_')}.json")
