@@ -184,6 +184,9 @@ def test_program_that_does_not_fit_exits_1_naming_its_knobs(tmp_path):
      "\"v5e:3x3\" is not divisible"),
     (["--config.mesh.data=1", "--config.mesh.fsdp=3"], "error: mesh.data=1 * mesh.fsdp=3 * "
      "mesh.tensor=1 = 3 devices, but 4 are present"),
+    (["--topology", "v6e:16x16", "--config.mesh.fsdp=64", "--config.mesh.tensor=4"],
+     "error: mesh.data=-1, mesh.fsdp=64, mesh.tensor=4 cannot be laid on the topology's physical "
+     "axes without splitting one: Failed to find assignment for logical_axis_index"),
     (["--model", "/nonexistent/ckpt"], "error: no HF config.json at /nonexistent/ckpt "
      "(expected a checkpoint directory or a config.json file)"),
     (["--programs", "rollout,train"], "error: unknown programs ['train']; expected some of "

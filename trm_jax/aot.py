@@ -192,6 +192,10 @@ def meshes(c: ml_collections.ConfigDict, devices: Sequence):
     learner = shd.mesh_from_config(axes, list(devices[n:]), key="mesh")
   except ValueError as e:
     raise ConfigError(str(e)) from e
+  except NotImplementedError as e:   # jax.make_mesh: an axis no product of physical axes
+    sizes = ", ".join(f"mesh.{k}={v}" for k, v in axes.items())
+    raise ConfigError(f"{sizes} cannot be laid on the topology's physical axes without "
+                      f"splitting one: {str(e).split('.')[0]}") from e
   return learner, (shd.make_mesh({"data": n}, list(devices[:n])) if n else learner)
 
 
