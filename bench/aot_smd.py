@@ -6,10 +6,10 @@ shapes, compiled by libtpu's XLA:TPU and Mosaic compilers; nothing runs):
   temporaries  Qwen3-4B, one sequence per chip (rl.group_size 2, one minibatch, one
                microbatch), T = 512 prompt + response in --lengths. Per-chip HBM temporaries
                of the SMD update (shadow-masked learner replaying evicted_at, plus the dense
-               stop-gradient teacher), for the Pallas TPU kernel and the XLA reference, beside
-               the same step with plain causal attention (the batch carries no evicted_at:
-               both tracks causal) through the same implementation. Claims checked: with the
-               kernel, T 16384 / T 8192 <= 2.3x and SMD / causal <= 1.15x at every T.
+               stop-gradient teacher) and of its masked track alone against the same track
+               with plain causal attention (VARIANTS), for the Pallas TPU kernel and the XLA
+               reference. Claims checked: with the kernel, SMD T 16384 / T 8192 <= 2.3x and
+               masked / causal <= 1.15x at every T.
   longest      the qwen3_4b_smd_gsm8k config (as written, or with --set overrides) on --topology,
                task.max_new_tokens doubled from 1024 until the update no longer fits a chip
                (XLA refuses it, or with the resident rollout batch it exceeds HBM), per
@@ -48,7 +48,8 @@ LAYERS = 36   # Qwen3-4B; --layers lowers it for a quick check of the script
 
 
 def update_row(c, topology: str, *, causal: bool = False) -> dict:
-  """The update program's report row for config `c` (causal: the batch without evicted_at)."""
+  """The update program's report row for config `c` (causal: the batch without evicted_at,
+  so every track attends causally)."""
   devices = tpu_aot.topology_devices(topology)
   s = aot.build(c, dict(aot.KNOWN_MODELS["Qwen3-4B"], num_hidden_layers=LAYERS), devices)
   fn, args, resident, calls, mesh = s.programs["update"]
@@ -69,31 +70,44 @@ def _print(r: dict) -> None:
         f"fits={r['fits']}", f"({r['compile_s']}s)", flush=True)
 
 
+# Variants of the update at each T: (name, smd.lam, batch carries the retention record).
+#   smd     the SMD step: masked track replaying evicted_at + dense stop-gradient teacher
+#   masked  the masked track alone (lam = 0: no teacher)
+#   causal  the same one-track step with plain causal attention (no evicted_at)
+# masked / causal isolates what the retention record costs through an implementation. The
+# two-track step without a record is no baseline on TPU: its teacher and student tracks are
+# the same computation, which XLA merges into one.
+VARIANTS = (("smd", 0.1, True), ("masked", 0.0, True), ("causal", 0.0, False))
+
+
 def temporaries(topology: str, lengths, impls) -> dict:
   n = len(tpu_aot.topology_devices(topology))
   rows = []
   for T in lengths:
     for impl in impls:
-      for causal in (False, True):
+      for name, lam, record in VARIANTS:
         c = config_lib.load_config(CONFIG)
         c.task.max_prompt_len, c.task.max_new_tokens = PROMPT, T - PROMPT
         c.rl.group_size, c.rl.batch_size = 2, n
         c.rl.num_minibatches, c.rl.num_microbatches = 1, 1
-        c.model.attn_impl = impl
-        r = {"T": T, "impl": impl, "attention": "causal" if causal else "smd",
-             **update_row(c, topology, causal=causal)}
+        c.model.attn_impl, c.smd.lam = impl, lam
+        r = {"T": T, "impl": impl, "attention": name,
+             **update_row(c, topology, causal=not record)}
         _print(r)
         rows.append(r)
-  kernel = {(r["T"], r["attention"]): r.get("temp_bytes") for r in rows
-            if r["impl"] == "pallas_tpu"}
+  temp = {(r["impl"], r["T"], r["attention"]): r.get("temp_bytes") for r in rows}
   checks = {}
-  if (16384, "smd") in kernel and (8192, "smd") in kernel and kernel[(8192, "smd")]:
-    checks["kernel_smd_T16384_over_T8192"] = kernel[(16384, "smd")] / kernel[(8192, "smd")]
-  for T in lengths:
-    if kernel.get((T, "smd")) and kernel.get((T, "causal")):
-      checks[f"kernel_smd_over_causal_T{T}"] = kernel[(T, "smd")] / kernel[(T, "causal")]
+  for impl in impls:
+    lo, hi = temp.get((impl, 8192, "smd")), temp.get((impl, 16384, "smd"))
+    if lo and hi:
+      checks[f"{impl}_smd_T16384_over_T8192"] = hi / lo
+    for T in lengths:
+      m, c = temp.get((impl, T, "masked")), temp.get((impl, T, "causal"))
+      if m and c:
+        checks[f"{impl}_masked_over_causal_T{T}"] = m / c
   return {"what": "per-chip HBM temporaries of the SMD learner update (memory_analysis) vs "
                   "T, Qwen3-4B, one sequence per chip, AOT for a TPU topology",
+          "variants": {v[0]: {"smd.lam": v[1], "retention_record": v[2]} for v in VARIANTS},
           "topology": topology, "prompt_len": PROMPT, "rows": rows, "ratios": checks}
 
 
