@@ -27,7 +27,8 @@ Two measurements of `trm_jax.rl.learner.make_learner(...)`'s `update`, side by s
            load affects every variant alike.
   flops    throughput of the plain-GRPO `update` at the rollout bench's model shape (Qwen3, 4
            layers, d 512, 8/4 heads, F 1536, vocab 32000; B 8, T 256, prompt 128): FLOPs of
-           the compiled step (`cost_analysis()["flops"]`) over its median wall time, against
+           the compiled step (`hlo_cost.program_cost`: `cost_analysis()` with every loop trip
+           counted) over its median wall time, against
            the machine's fp32 matmul peak measured in the same run (the best of square
            matmuls of a few sizes), so the fraction is a same-run ratio. Every timed call
            records the load and other processes' CPU time (`bench.hygiene`); a contended
@@ -52,6 +53,7 @@ import optax
 from flax import nnx
 
 from bench import hygiene
+from trm_jax import hlo_cost
 from trm_jax.kernels.visibility import NEVER_EVICTED
 from trm_jax.models import make_test_model
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
@@ -223,9 +225,9 @@ def measure_flops(*, B: int = 8, T: int = 256, P: int = 128, chunk: int = 128,
                            response_start=P)
   opt = tx.init(params)
   compiled = update.lower(params, opt, rest, batch).compile()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  flops = float(cost["flops"])
+  # Loop-aware: cost_analysis() counts the chunked vocabulary projection's loop body once.
+  cost = hlo_cost.program_cost(compiled)
+  flops = cost["flops"]
   p, o = jax.tree.map(jnp.copy, params), tx.init(params)
   p, o, aux = update(p, o, rest, batch)                     # warm-up
   jax.block_until_ready(aux)
@@ -251,7 +253,9 @@ def measure_flops(*, B: int = 8, T: int = 256, P: int = 128, chunk: int = 128,
           f"fraction {out_rounds[-1]['fraction_of_peak']}", flush=True)
   quiet = [r["fraction_of_peak"] for r in out_rounds if not r["contended"]]
   return dict(B=B, T=T, P=P, model=FLOPS_MODEL, mode="off (plain GRPO)", chunk=chunk,
-              attn_impl="reference", step_flops=flops, rounds=out_rounds,
+              attn_impl="reference", step_flops=flops, xla_cost_analysis_flops=cost["xla_flops"],
+              loops=[{k: l[k] for k in ("trips", "trips_source", "body_flops")}
+                     for l in cost["loops"]], rounds=out_rounds,
               fraction_of_peak_quiet=quiet, target_fraction=0.4)
 
 

@@ -124,6 +124,40 @@ def _aot(*args, tmp_path):
       capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
 
 
+def test_loop_aware_cost_on_cpu_counts_every_trip():
+  """The CPU compiler rewrites scan conditions; its `known_trip_count` still gives the trips
+  (bench.learner's FLOP/s of the chunked learner step depends on it)."""
+  from trm_jax.hlo_cost import program_cost   # pylint: disable=g-import-not-at-top
+  n = 256
+  x = jnp.ones((n, n), jnp.float32)
+  f = lambda a, w: jax.lax.scan(lambda c, _: (c @ w, None), a, None, length=6)[0]
+  cost = program_cost(jax.jit(f).lower(x, x).compile())
+  assert [l["trips"] for l in cost["loops"]] == [6]
+  assert cost["flops"] == pytest.approx(6 * 2.0 * n ** 3, rel=1e-3)
+
+
+@needs_libtpu
+def test_disaggregated_sampler_gets_its_devices_and_a_copy_in_its_dtype():
+  """mesh.rollout_devices on a topology: the sampler's first devices, the learner the rest,
+  and the per-rollout copy sized in the sampler's dtype (what step.to_sampler sends)."""
+  from trm_jax import aot, config as config_lib   # pylint: disable=g-import-not-at-top
+  from trm_jax.kernels import tpu_aot             # pylint: disable=g-import-not-at-top
+  c = config_lib.load_config(os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py"))
+  c.mesh.rollout_devices, c.rollout.dtype, c.rl.staleness = 1, "bfloat16", 1
+  cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128)
+  devices = tpu_aot.topology_devices("v5e:2x2")
+  s = aot.build(c, cfg.to_hf(), devices)
+  roll_mesh = s.programs["rollout"][4]
+  assert [d.id for d in roll_mesh.devices.flat] == [devices[0].id]
+  assert sorted(d.id for d in s.mesh.devices.flat) == sorted(d.id for d in devices[1:])
+  params = s.programs["update"][1][0]
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+  assert s.sync == {"bytes_per_rollout": 2 * n, "bytes_per_sampler_device": 2 * n,
+                    "dtype": "bfloat16", "sampler_devices": 1}
+
+
 @needs_libtpu
 def test_tiny_smd_config_compiles_for_v5e_through_the_cli(tmp_path):
   out = tmp_path / "report.json"

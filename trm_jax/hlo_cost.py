@@ -7,9 +7,10 @@ roofline of a training step both matter, so `program_cost` re-counts:
 
   * each while body is costed on its own (XLA's HloCostAnalysis on the module re-rooted at
     that computation) and multiplied by its trip count, recursively for nested loops;
-  * the trip count is read from the loop when its condition is `counter < constant` and its
-    body adds a constant step (what `lax.scan`, `fori_loop` and XLA's windowed einsums lower
-    to; the start is the initial tuple's constant, else 0). A loop of the program with any
+  * the trip count is XLA's `known_trip_count` where the compiler recorded one (the CPU
+    compiler does), else read from the loop when its condition is `counter < constant` and
+    its body adds a constant step (what `lax.scan`, `fori_loop` and XLA's windowed einsums
+    lower to; the start is the initial tuple's constant, else 0). A loop of the program with any
     other condition (the sampler's `index < T - 1 and not all done`) takes `default_trips`
     from the caller; the result says which loops were read, which assumed, and which (none
     expected) could only be counted once;
@@ -149,7 +150,12 @@ def _trip_count(cond: list[str], body: list[str], parent: list[str],
                 while_line: str) -> Optional[int]:
   """Trips of a loop whose condition is `counter < N` (N a constant), whose body adds a
   constant step to the counter, and whose counter starts at a constant (0 when the start is
-  not a visible constant: what lax.scan and fori_loop lower to). None otherwise."""
+  not a visible constant: what lax.scan and fori_loop lower to). None otherwise. XLA's own
+  analysis, when it wrote one into the loop's backend config (`known_trip_count`, as the CPU
+  compiler does for loops whose condition it rewrote), comes first."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', while_line)
+  if known:
+    return int(known.group(1))
   cdefs = _defs(cond)
   root = next((l for l in cond if l.lstrip().startswith("ROOT ")), "")
   m = re.search(r"compare\(%([\w.\-]+), %([\w.\-]+)\), direction=LT", root)
