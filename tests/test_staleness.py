@@ -103,7 +103,7 @@ def test_disaggregated_sampler_matches_colocated(shared_run):
     ctx, state, mesh = _setup(shared_run, k=1, rollout_devices=n, steps=3)
     if n:
       # The weights arrive bitwise, in the same dtype, on the sampler's own devices.
-      sent = jax.device_put(state.params, ctx.sampler_param_sh)
+      sent = step_lib.to_sampler(ctx, state.params)
       for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(sent)):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
         assert {d.id for d in b.devices()} <= {d.id for d in jax.devices()[:4]}
@@ -150,3 +150,29 @@ def test_a_batch_older_than_the_bound_is_dropped(shared_run):
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(_copy(state.params))):
     np.testing.assert_array_equal(a, b)
   assert state.pending is not None and state.pending.version == 2   # the pipeline goes on
+
+
+def test_a_bf16_sampler_receives_bf16_weights_and_samples_the_same_tokens(shared_run):
+  """The disaggregated copy is narrowed to the sampler's dtype before it travels: half the
+  bytes of fp32, and the rollout is bitwise the rollout from the learner's fp32 weights."""
+  c = shared_run.config()
+  c.rollout.dtype, c.rollout.logit_noise = "bfloat16", 0.1
+  c.mesh.rollout_devices = 4
+  mesh, sampler_mesh = train.make_mesh(c)
+  with jax.set_mesh(mesh):
+    model = from_pretrained(str(shared_run.base_dir), dtype=jnp.float32, mesh=mesh)
+    tok = load_tokenizer(str(shared_run.base_dir))
+    task = Task(c.task, seed=c.seed, tokenizer=tok, eval_problems=0)
+    ctx, state = step_lib.make_context(c, mesh, model, tok, task, sampler_mesh)
+  sent = step_lib.to_sampler(ctx, state.params)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(sent)):
+    assert a.dtype == jnp.float32 and b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.bfloat16)))
+  pb = task.prompts(task.batch(0, 8), 4)
+  key = jax.random.key(3)
+  narrowed = step_lib.sample(ctx, sent, pb, key)
+  wide = step_lib.sample(ctx, jax.device_put(state.params, ctx.sampler_param_sh), pb, key)
+  for name in ("tokens", "logp", "response_mask"):
+    np.testing.assert_array_equal(np.asarray(getattr(narrowed, name)),
+                                  np.asarray(getattr(wide, name)), err_msg=name)
+

@@ -209,6 +209,7 @@ class Setup:
   impl: str                 # resolved attention impl
   programs: dict            # name -> (jitted fn, abstract args, resident tree, calls per step,
                             #   mesh it runs on)
+  sync: Optional[dict] = None   # disaggregated sampler: the parameter copy per rollout
 
 
 def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence) -> Setup:
@@ -258,8 +259,21 @@ def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence) -> Setup:
   # The sampler reads the parameters where it runs: the learner's arrays when colocated, a
   # copy on its own devices when disaggregated (step.dispatch_rollout).
   roll_state = nnx.merge_state(params, rest)
+  sync = None
   if sampler_mesh is not mesh:
-    roll_state = jax.tree.map(_sds, roll_state, shd.state_shardings(roll_state, sampler_mesh))
+    # What step.to_sampler sends each rollout: the parameters narrowed to the sampler's dtype.
+    to = step_lib.DTYPES[r.dtype]
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    place = lambda v, sh, dt: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, dt, sharding=sh))
+    sent = jax.tree.map(lambda v, sh: place(v, sh, step_lib.narrowed(v.get_value().dtype, to)),
+                        params, shd.state_shardings(params, sampler_mesh), is_leaf=is_var)
+    roll_state = nnx.merge_state(sent, jax.tree.map(
+        lambda v, sh: place(v, sh, v.get_value().dtype), rest,
+        shd.state_shardings(rest, sampler_mesh), is_leaf=is_var))
+    sync = {"bytes_per_rollout": sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                                     for x in jax.tree.leaves(sent)),
+            "bytes_per_sampler_device": device_bytes(sent), "dtype": r.dtype,
+            "sampler_devices": int(sampler_mesh.devices.size)}
   replicated = NamedSharding(sampler_mesh, PartitionSpec())
   B = c.rl.batch_size
   roll_args = (roll_state, per_row((B, P), jnp.int32, sampler_mesh),
@@ -295,7 +309,7 @@ def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence) -> Setup:
       "update": (update, (params, opt_state, rest, mb), (full, extra),
                  c.rl.num_minibatches * c.rl.num_epochs, mesh),
   }
-  return Setup(mesh=mesh, mcfg=mcfg, P=P, R=R, impl=impl, programs=programs)
+  return Setup(mesh=mesh, mcfg=mcfg, P=P, R=R, impl=impl, programs=programs, sync=sync)
 
 
 # ------------------------------------------------------------------------------------------
@@ -377,6 +391,10 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
   log(f"[aot] {topology}: {len(devices)} devices, mesh {dict(s.mesh.shape)}; model "
       f"L={s.mcfg.num_layers} D={s.mcfg.hidden_size} V={s.mcfg.vocab_size}; P={s.P} R={s.R}; "
       f"attention {s.impl}")
+  if s.sync:
+    log(f"[aot] sampler on {s.sync['sampler_devices']} devices of its own: each rollout copies "
+        f"{s.sync['bytes_per_rollout'] / GiB:.2f} GiB of {s.sync['dtype']} parameters "
+        f"({s.sync['bytes_per_sampler_device'] / GiB:.2f} GiB per sampler device)")
   rows = []
   for name in programs:
     fn, args, resident, calls, mesh = s.programs[name]
@@ -396,7 +414,8 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
       "model": dataclasses.asdict(s.mcfg), "P": s.P, "R": s.R, "attn_impl": s.impl,
       "config": json.loads(c.to_json_best_effort()),
       "jax_version": jax.__version__, "libtpu_version": _libtpu_version(),
-      "programs": rows, "fits": fit, "step_roofline_s": step_s,
+      "programs": rows, "fits": fit, "step_roofline_s": step_s, "sync": s.sync,
+      "sampler_mesh": dict(s.programs["rollout"][4].shape),
       "wall_s": round(time.time() - t0, 1)}
 
 

@@ -85,8 +85,14 @@ def make_mesh(axis_sizes: Union[Mapping[str, int], Sequence[int]],
   # jax.make_mesh orders the devices by the physical topology (rings on TPU). Auto axes:
   # shardings propagate through jit; Explicit (its default) would make every op's output
   # sharding part of its type, which this code base does not use.
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                       devices=devices)
+  axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  try:
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+  except AssertionError:
+    # A part of a TPU slice that is not itself a slice (mesh.rollout_devices = 1 of a 2x2
+    # leaves three chips): no physical order exists, so the devices keep the order given.
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES,
+                axis_types=axis_types)
 
 
 def spec_for(axes: Sequence[Optional[str]], *, shape: Optional[Sequence[int]] = None,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -309,7 +310,7 @@ def dispatch_rollout(ctx: RLContext, state: TrainState) -> InFlight:
   sync = {}
   if ctx.sampler_mesh is not None:
     t0 = time.time()
-    params = jax.block_until_ready(jax.device_put(params, ctx.sampler_param_sh))
+    params = jax.block_until_ready(to_sampler(ctx, params))
     sync = {"sync/seconds": time.time() - t0,
             "sync/bytes": float(sum(x.nbytes for x in jax.tree.leaves(params)))}
   ro = sample(ctx, params, pb, k_roll)
@@ -323,6 +324,26 @@ def _dispatch_next(ctx: RLContext, state: TrainState) -> TrainState:
   if state.history and state.step < ctx.c.total_steps:
     state.pending = dispatch_rollout(ctx, state)
   return state
+
+
+def narrowed(dtype, to):
+  """`to` for a floating dtype wider than it, else `dtype` unchanged."""
+  dtype, to = jnp.dtype(dtype), jnp.dtype(to)
+  return to if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize > to.itemsize else dtype
+
+
+@functools.lru_cache(maxsize=None)
+def narrow(to):
+  """jit(tree -> tree): every leaf cast to `narrowed(leaf.dtype, to)`."""
+  return jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(narrowed(x.dtype, to)), tree))
+
+
+def to_sampler(ctx: RLContext, params):
+  """The learner's parameters as the disaggregated sampler receives them: narrowed to the
+  sampler's dtype on the learner's devices (every weight enters the sampler's computation as
+  `w.astype(compute dtype)`, so narrowing first changes no rollout bit and halves a bf16
+  sampler's copy), then resharded onto the sampler's devices."""
+  return jax.device_put(narrow(DTYPES[ctx.c.rollout.dtype])(params), ctx.sampler_param_sh)
 
 
 def sample(ctx: RLContext, params, pb, key: jax.Array):
