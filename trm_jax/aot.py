@@ -298,8 +298,11 @@ def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence) -> Setup:
   full, mb = batch(B), batch(B // c.rl.num_minibatches)
   # Parameter copies the learner's devices hold besides params and opt_state: the frozen
   # reference policy (rl.kl_beta > 0) and the rl.staleness older versions (step.TrainState).
-  copies = (lcfg.kl_beta > 0) + int(c.rl.get("staleness", 0))
-  extra = [params] * copies
+  # The history is kept in the sampler's dtype (step.rl_step).
+  to = step_lib.DTYPES[r.dtype]
+  stale = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, step_lib.narrowed(x.dtype, to), sharding=x.sharding), params)
+  extra = [params] * (lcfg.kl_beta > 0) + [stale] * int(c.rl.get("staleness", 0))
   learner_resident = (opt_state, extra)
   programs = {
       # Disaggregated, the sampler's devices hold only what the program takes.

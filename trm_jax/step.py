@@ -124,8 +124,8 @@ class TrainState:
 
   Staleness (rl.staleness = k): rollout batch t is sampled with the parameters after update
   t - 1 - k (version max(t - 1 - k, 0)). After `step` steps the next k rollouts need versions
-  step - k .. step - 1: `history` keeps them, oldest first (copies: the update donates the
-  current parameters' buffers). `pending` is the next batch's rollout, already dispatched at
+  step - k .. step - 1: `history` keeps them, oldest first, in the sampler's dtype
+  (`narrow`; copies: the update donates the current parameters' buffers). `pending` is the next batch's rollout, already dispatched at
   the end of the previous step so that it runs while that step's updates do; it is a pure
   function of `history[0]` and the step's key, so a resumed run samples it again bitwise.
   """
@@ -196,7 +196,7 @@ def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: n
                   ref_params=jax.tree.map(jnp.copy, params) if lcfg.kl_beta > 0 else None,
                   **disagg)
   # Before any update every stale version is the starting policy: one copy serves them all.
-  start = jax.tree.map(jnp.copy, params) if c.rl.staleness else None
+  start = narrow(DTYPES[c.rollout.dtype])(params) if c.rl.staleness else None
   return ctx, TrainState(params=params, opt_state=opt_state,
                          history=(start,) * c.rl.staleness)
 
@@ -216,10 +216,12 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   problems, pb, ro = fl.problems, fl.pb, fl.ro
   lag = state.step - fl.version               # updates between pi_roll and pi_theta
   # The parameters this rollout's successors need: this step's pre-update parameters join
-  # the history (copied: the update below donates their buffers).
+  # the history, narrowed to the sampler's dtype (copied: the update below donates their
+  # buffers). Narrowing here, while the devices wait for the update anyway, lets a
+  # disaggregated sampler's copy start without queueing behind that update.
   history = state.history
   if history:
-    history = history[1:] + (jax.tree.map(jnp.copy, state.params),)
+    history = history[1:] + (narrow(DTYPES[c.rollout.dtype])(state.params),)
   n_prompts = c.rl.batch_size // c.rl.group_size
   rollout_metrics = {"rollout/staleness": float(lag), "rollout/policy_version": float(fl.version),
                      "rollout/cache_bytes": float(ro.stats.cache_bytes), **fl.sync}
@@ -343,7 +345,10 @@ def to_sampler(ctx: RLContext, params):
   sampler's dtype on the learner's devices (every weight enters the sampler's computation as
   `w.astype(compute dtype)`, so narrowing first changes no rollout bit and halves a bf16
   sampler's copy), then resharded onto the sampler's devices."""
-  return jax.device_put(narrow(DTYPES[ctx.c.rollout.dtype])(params), ctx.sampler_param_sh)
+  to = DTYPES[ctx.c.rollout.dtype]
+  if any(narrowed(x.dtype, to) != x.dtype for x in jax.tree.leaves(params)):
+    params = narrow(to)(params)   # k = 0: the current parameters; history is narrow already
+  return jax.device_put(params, ctx.sampler_param_sh)
 
 
 def sample(ctx: RLContext, params, pb, key: jax.Array):
