@@ -29,11 +29,11 @@ pytestmark = pytest.mark.slow
 LR = 1e-3
 
 
-def _setup(shared_run, *, k, rollout_devices=0, steps=5):
+def _setup(shared_run, *, k, rollout_devices=0, steps=5, dtype="float32", logit_noise=0.0):
   c = shared_run.config()
   c.total_steps, c.rl.staleness = steps, k
   c.rl.batch_size, c.rl.group_size = 32, 4
-  c.rollout.dtype, c.rollout.logit_noise = "float32", 0.0
+  c.rollout.dtype, c.rollout.logit_noise = dtype, logit_noise
   c.optim.lr, c.optim.warmup_steps = LR, 0   # big steps: versions differ visibly
   c.mesh.rollout_devices = rollout_devices
   mesh, sampler_mesh = train.make_mesh(c)
@@ -155,15 +155,8 @@ def test_a_batch_older_than_the_bound_is_dropped(shared_run):
 def test_a_bf16_sampler_receives_bf16_weights_and_samples_the_same_tokens(shared_run):
   """The disaggregated copy is narrowed to the sampler's dtype before it travels: half the
   bytes of fp32, and the rollout is bitwise the rollout from the learner's fp32 weights."""
-  c = shared_run.config()
-  c.rollout.dtype, c.rollout.logit_noise = "bfloat16", 0.1
-  c.mesh.rollout_devices = 4
-  mesh, sampler_mesh = train.make_mesh(c)
-  with jax.set_mesh(mesh):
-    model = from_pretrained(str(shared_run.base_dir), dtype=jnp.float32, mesh=mesh)
-    tok = load_tokenizer(str(shared_run.base_dir))
-    task = Task(c.task, seed=c.seed, tokenizer=tok, eval_problems=0)
-    ctx, state = step_lib.make_context(c, mesh, model, tok, task, sampler_mesh)
+  ctx, state, _ = _setup(shared_run, k=0, rollout_devices=4, dtype="bfloat16", logit_noise=0.1)
+  task = ctx.task
   sent = step_lib.to_sampler(ctx, state.params)
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(sent)):
     assert a.dtype == jnp.float32 and b.dtype == jnp.bfloat16
