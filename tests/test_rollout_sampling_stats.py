@@ -133,3 +133,13 @@ def test_gaussian_noise_is_standard_normal_and_keyed():
   r = np.corrcoef(np.asarray(z).ravel(), other.ravel())[0, 1]
   assert abs(r) < 4.4 / np.sqrt(n)
   assert float(jnp.max(jnp.abs(z))) < 5.5
+
+
+def test_gaussian_noise_is_finite_and_symmetric_at_every_extreme_of_its_bits():
+  """The largest and smallest 24-bit draws map inside (-5.5, 5.5) and mirror each other
+  (a = 2^24 - 1 once gave erfinv(1) = inf: a NaN sampling distribution one draw in 2^24)."""
+  h = jnp.asarray([0, 0xFF, 0x100, 0x7FFFFFFF, 0x80000000, 0xFFFFFF00, 0xFFFFFFFF], jnp.uint32)
+  z = np.asarray(sampling.normal_from_bits(h))
+  assert np.all(np.isfinite(z)) and np.max(np.abs(z)) < 5.5
+  assert z[0] == z[1] == -z[-1] == -z[-2]              # a = 0 and a = 2^24 - 1
+  assert z[3] == -z[4] and z[2] < z[3] < 0 < z[4]      # the two middle cells straddle 0

@@ -161,9 +161,18 @@ def gaussian_noise(key: jax.Array, shape) -> jax.Array:
     s = jax.random.bits(key, (2,), jnp.uint32)
     n = int(np.prod(shape)) if len(shape) else 1
     i = jax.lax.iota(jnp.uint32, n).reshape(shape)
-    h = _fmix32(_fmix32(i ^ s[0]) + s[1])
-    u = ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
-    return np.float32(np.sqrt(2.0)) * jax.lax.erf_inv(2.0 * u - 1.0)
+    return normal_from_bits(_fmix32(_fmix32(i ^ s[0]) + s[1]))
+
+
+def normal_from_bits(h: jax.Array) -> jax.Array:
+  """uint32 -> standard normal fp32 through sqrt(2) erfinv(2u - 1), u = (a + 1/2) 2^-24 for
+  the top 24 bits a. 2u - 1 = (2a + 1 - 2^24) 2^-24 is formed in integers: an odd integer of
+  magnitude < 2^24 is exact in fp32, so the argument stays strictly inside (-1, 1). (In
+  floating point, a + 1/2 rounds up to 2^24 for a = 2^24 - 1, and erfinv(1) = inf turned
+  one noise draw in 2^24 into a NaN distribution.)"""
+  a = (h >> 8).astype(jnp.int32)
+  x = (2 * a + (1 - (1 << 24))).astype(jnp.float32) * np.float32(1.0 / (1 << 24))
+  return np.float32(np.sqrt(2.0)) * jax.lax.erf_inv(x)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, cfg: SamplingConfig) -> jax.Array:
