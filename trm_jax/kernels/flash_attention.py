@@ -38,6 +38,21 @@ On CPU the kernel runs with `interpret=True` (tests, memory benchmark); on GPU i
 Triton. Written against jax 0.10.2's Pallas Triton backend. Mosaic (TPU) cannot tile this
 layout (squeezed head dims in the minor block dims); TPU has its own kernel with the same
 predicate, `flash_attention_tpu.py`, which `attention(impl="auto")` picks there.
+
+tokamax (evaluated 2026-12-01 on CPU, `bench/tokamax_attention.py`, tokamax 0.0.17 + jax 0.11.1
+and 0.0.12 + jax 0.10.2) as the GPU path instead: its Triton attention has no segment ids; the
+predicate fits only its private `Mask` (causal, k_start = segment start for contiguous segments,
+q_end = evicted_at repeated over the G query heads, since q_end's head axis is the query-head
+axis; a [B, K, T] q_end is rejected). On rows that see a key it is as exact as this kernel
+(B=2, T=256, N=8, K=2, fp32: out 6e-7, dq/dk/dv <= 5.3e-6 vs <= 4.8e-6 here), but rows that see
+no key give 0.42 rather than 0, and with a non-zero cotangent there dv is off by 0.82. It does
+not run with interpret=True (it calls program_id inside loops); in the Mosaic TPU interpreter
+its forward+backward took 0.63-0.64x this kernel's time in that interpreter (this kernel in
+the HLO interpreter: 1/41-1/48 of tokamax's time; interpreter times on a loaded 2-core machine, not
+GPU times). It lowers for cuda (under jax 0.11.1 only with an abstract GPU device), but a
+non-scalar q_end, and k_start in its backward, reach the kernels as dense [B, N, T, T] /
+[B, 1, T, T] bool masks: O(T^2) memory, the cost this kernel exists to avoid. So it does not
+replace this kernel as the GPU path.
 """
 from __future__ import annotations
 
