@@ -162,38 +162,29 @@ def segments_contiguous(seg: np.ndarray) -> bool:
 
 
 @contextlib.contextmanager
+def _interpreted(**overrides):
+  """Every pallas_call traced inside gets `overrides` (interpret mode, compiler params)."""
+  orig = pl.pallas_call
+
+  def patched(*args, **kwargs):
+    return orig(*args, **{**kwargs, **overrides})
+
+  pl.pallas_call = patched
+  try:
+    with tokamax.config.cross_compile(True):
+      yield
+  finally:
+    pl.pallas_call = orig
+
+
 def tpu_interpreter():
   """Every pallas_call traced inside runs through the Mosaic TPU interpreter on CPU."""
-  orig = pl.pallas_call
-
-  def patched(*args, **kwargs):
-    kwargs["interpret"] = pltpu.InterpretParams()
-    kwargs["compiler_params"] = pltpu.CompilerParams()
-    return orig(*args, **kwargs)
-
-  pl.pallas_call = patched
-  try:
-    with tokamax.config.cross_compile(True):
-      yield
-  finally:
-    pl.pallas_call = orig
+  return _interpreted(interpret=pltpu.InterpretParams(), compiler_params=pltpu.CompilerParams())
 
 
-@contextlib.contextmanager
 def hlo_interpreter():
   """Every pallas_call traced inside gets interpret=True (the HLO interpreter)."""
-  orig = pl.pallas_call
-
-  def patched(*args, **kwargs):
-    kwargs["interpret"] = True
-    return orig(*args, **kwargs)
-
-  pl.pallas_call = patched
-  try:
-    with tokamax.config.cross_compile(True):
-      yield
-  finally:
-    pl.pallas_call = orig
+  return _interpreted(interpret=True)
 
 
 def inside(ctx, f):

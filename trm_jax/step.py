@@ -125,9 +125,10 @@ class TrainState:
   Staleness (rl.staleness = k): rollout batch t is sampled with the parameters after update
   t - 1 - k (version max(t - 1 - k, 0)). After `step` steps the next k rollouts need versions
   step - k .. step - 1: `history` keeps them, oldest first, in the sampler's dtype
-  (`narrow`; copies: the update donates the current parameters' buffers). `pending` is the next batch's rollout, already dispatched at
-  the end of the previous step so that it runs while that step's updates do; it is a pure
-  function of `history[0]` and the step's key, so a resumed run samples it again bitwise.
+  (`narrow`; copies: the update donates the current parameters' buffers). `pending` is the
+  next batch's rollout, already dispatched at the end of the previous step so that it runs
+  while that step's updates do; it is a pure function of `history[0]` and the step's key, so
+  a resumed run samples it again bitwise.
   """
   params: Any                 # nnx.Param state, sharded by logical axes
   opt_state: Any              # optax state, moments sharded like their parameters
@@ -177,7 +178,8 @@ def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: n
   score, update = make_learner(graphdef, tx, lcfg, response_start=task.max_prompt_len,
                                state_shardings=state_sh)
   # Replicated on the mesh, made under jit: device_put cannot reach other processes' devices.
-  rng = jax.jit(lambda: jax.random.key(c.seed), out_shardings=NamedSharding(mesh, PartitionSpec()))()
+  rng = jax.jit(lambda: jax.random.key(c.seed),
+                out_shardings=NamedSharding(mesh, PartitionSpec()))()
   r = c.rollout
   roll = sampling_config(
       model.config, max_new_tokens=task.max_new_tokens, temperature=r.temperature,

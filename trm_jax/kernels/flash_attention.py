@@ -7,7 +7,7 @@ Computes exactly what `attention_ref.attention_reference` computes, without ever
 
 is evaluated per (block_q x block_k) tile from two small int32 side inputs, segment_ids [B, T]
 and evicted_at [B, K, T], that reach the kernel through BlockSpecs. This is the memory claim of
-SMD (`shared/notes/smd-design.md`, "What the learner does"): the masked track costs the same
+SMD (docs/smd.md, "The learner"): the masked track costs the same
 memory as plain causal attention.
 
 Algorithm: FlashAttention-2 (Dao 2023, Alg. 1) for the forward, with an fp32 online softmax and

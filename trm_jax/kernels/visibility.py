@@ -7,7 +7,7 @@ whom* by a `Visibility`, never by a boolean or additive [T, S] array. Three ingr
   * `segment_ids` [B, T] int32: 0 marks padding; a query sees a key only inside its own
     non-zero segment (this also expresses packed sequences);
   * `evicted_at` [B, L, K, T] int32 (optional): the SMD retention record
-    (`../shared/notes/smd-design.md`). For layer l and kv head k, key j is visible to query i
+    (docs/smd.md, "The visibility rule"). For layer l and kv head k, key j is visible to query i
     iff  j <= i < evicted_at[b, l, k, j].  `NEVER_EVICTED` marks keys that stayed in the cache.
 
 All indices are *array* indices along T (not RoPE positions): with left padding the two
