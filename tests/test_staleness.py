@@ -168,4 +168,3 @@ def test_a_bf16_sampler_receives_bf16_weights_and_samples_the_same_tokens(shared
   for name in ("tokens", "logp", "response_mask"):
     np.testing.assert_array_equal(np.asarray(getattr(narrowed, name)),
                                   np.asarray(getattr(wide, name)), err_msg=name)
-

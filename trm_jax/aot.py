@@ -258,17 +258,19 @@ def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence) -> Setup:
 
   # The sampler reads the parameters where it runs: the learner's arrays when colocated, a
   # copy on its own devices when disaggregated (step.dispatch_rollout).
+  # Parameters in the sampler's dtype (step.narrow): what the stale versions are kept as and
+  # what step.to_sampler sends a disaggregated sampler.
+  to = step_lib.DTYPES[r.dtype]
+  narrow = lambda x, sh: jax.ShapeDtypeStruct(x.shape, step_lib.narrowed(x.dtype, to),
+                                              sharding=sh)
   roll_state = nnx.merge_state(params, rest)
   sync = None
   if sampler_mesh is not mesh:
-    # What step.to_sampler sends each rollout: the parameters narrowed to the sampler's dtype.
-    to = step_lib.DTYPES[r.dtype]
     is_var = lambda x: isinstance(x, nnx.Variable)
-    place = lambda v, sh, dt: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, dt, sharding=sh))
-    sent = jax.tree.map(lambda v, sh: place(v, sh, step_lib.narrowed(v.get_value().dtype, to)),
-                        params, shd.state_shardings(params, sampler_mesh), is_leaf=is_var)
+    sent = jax.tree.map(lambda v, sh: v.replace(narrow(v.get_value(), sh)), params,
+                        shd.state_shardings(params, sampler_mesh), is_leaf=is_var)
     roll_state = nnx.merge_state(sent, jax.tree.map(
-        lambda v, sh: place(v, sh, v.get_value().dtype), rest,
+        lambda v, sh: v.replace(_sds(v.get_value(), sh)), rest,
         shd.state_shardings(rest, sampler_mesh), is_leaf=is_var))
     sync = {"bytes_per_rollout": sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                                      for x in jax.tree.leaves(sent)),
@@ -298,10 +300,7 @@ def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence) -> Setup:
   full, mb = batch(B), batch(B // c.rl.num_minibatches)
   # Parameter copies the learner's devices hold besides params and opt_state: the frozen
   # reference policy (rl.kl_beta > 0) and the rl.staleness older versions (step.TrainState).
-  # The history is kept in the sampler's dtype (step.rl_step).
-  to = step_lib.DTYPES[r.dtype]
-  stale = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, step_lib.narrowed(x.dtype, to), sharding=x.sharding), params)
+  stale = jax.tree.map(lambda x: narrow(x, x.sharding), params)
   extra = [params] * (lcfg.kl_beta > 0) + [stale] * int(c.rl.get("staleness", 0))
   learner_resident = (opt_state, extra)
   programs = {

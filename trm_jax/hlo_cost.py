@@ -10,8 +10,8 @@ roofline of a training step both matter, so `program_cost` re-counts:
   * the trip count is XLA's `known_trip_count` where the compiler recorded one (the CPU
     compiler does), else read from the loop when its condition is `counter < constant` and
     its body adds a constant step (what `lax.scan`, `fori_loop` and XLA's windowed einsums
-    lower to; the start is the initial tuple's constant, else 0). A loop of the program with any
-    other condition (the sampler's `index < T - 1 and not all done`) takes `default_trips`
+    lower to; the start is the initial tuple's constant, else 0). A loop of the program with
+    any other condition (the sampler's `index < T - 1 and not all done`) takes `default_trips`
     from the caller; the result says which loops were read, which assumed, and which (none
     expected) could only be counted once;
   * the TPU attention kernels (`vis_flash_tpu_fwd`, `_bwd_dq`, `_bwd_dkdv`, see
