@@ -38,8 +38,8 @@ from trm_jax import aot                          # noqa: E402
 from trm_jax import config as config_lib         # noqa: E402
 from trm_jax.kernels import tpu_aot              # noqa: E402
 
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "trm_jax",
-                      "configs", "qwen3_4b_smd_gsm8k.py")
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                      "qwen3_4b_smd_gsm8k.py")
 PROMPT = 512
 GiB = 2**30
 

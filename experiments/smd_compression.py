@@ -3,7 +3,7 @@ r"""SMD paper, small scale: RL from KV-compressed rollouts, dense vs naive vs Sp
   python -m experiments.smd_compression                    # default grid, 1 seed
   python -m experiments.smd_compression --policies snapkv --ratios 0.5 --steps 10
 
-Every run starts from the tiny dense base model of `trm_jax/configs/tiny_smd.py` and trains with GRPO
+Every run starts from the tiny dense base model of `configs/tiny_smd.py` and trains with GRPO
 on the synthetic task. The rollout keeps a compressed KV cache (a fraction `ratio` of each
 sequence's keys evicted by SnapKV / H2O / recent+sinks / random); the learner is one of
 
@@ -43,7 +43,7 @@ from trm_jax import sweep
 from trm_jax.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(REPO, "trm_jax", "configs", "tiny_smd.py")
+CONFIG = os.path.join(REPO, "configs", "tiny_smd.py")
 POLICIES = ("snapkv", "h2o", "recent", "random")
 DENSE = {"smd.mode": "dense", "rollout.cache.policy": "none", "rollout.cache.ratio": 0.0}
 
@@ -215,7 +215,7 @@ def write_summary(out: str, stats: dict, methods, lambdas, memory: dict, args,
   return report.write_summary(out, [
       "# SMD under KV-cache compression",
       f"{len(stats)} settings x {n_seeds} seed(s), {args.steps} RL steps each, lr {args.lr}; "
-      f"config `trm_jax/configs/tiny_smd.py`, TRM masking off. Training span {wall_s / 60:.1f} min "
+      f"config `configs/tiny_smd.py`, TRM masking off. Training span {wall_s / 60:.1f} min "
       "(first step to the end of the last, which carries the final evaluation; 2 runs at a "
       "time; start-up and the base-model warm-up extra).",
       "## Training reward on the (compressed) rollouts, last 10 % of steps",

@@ -5,7 +5,7 @@ r"""TRM paper's third mismatch source, small scale: rollouts sampled by stale pa
 
 Asynchronous RL samples batch t with the parameters of update t - 1 - k (`rl.staleness = k`),
 so pi_roll lags pi_theta by k updates. Here staleness is the only mismatch: the sampler runs in
-fp32 without logit noise (`trm_jax/configs/tiny_trm.py` otherwise), so at k = 0 pi_roll ==
+fp32 without logit noise (`configs/tiny_trm.py` otherwise), so at k = 0 pi_roll ==
 pi_theta exactly and every divergence measured at k > 0 is the lag's. The learning rate is
 1e-4 by default (3e-5 moves the tiny policy so little in k updates that the lag is invisible;
 experiments/results/lr_batch shows 1e-4 at 64 rollouts per step trains).
@@ -34,7 +34,7 @@ from trm_jax import sweep
 from trm_jax.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(REPO, "trm_jax", "configs", "tiny_trm.py")
+CONFIG = os.path.join(REPO, "configs", "tiny_trm.py")
 
 METHODS = {
     "ppo_clip": {"rl.objective": "ppo_clip", "trm.criteria": ()},
@@ -141,7 +141,7 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
   return report.write_summary(out, [
       "# Stale rollouts: rl.staleness = k (the sampler lags the learner by k updates)",
       f"{len(stats)} (method, k) groups x {n_seeds} seeds, {args.steps} RL steps each, "
-      f"{args.batch} rollouts per step, lr {args.lr}; config `trm_jax/configs/tiny_trm.py` "
+      f"{args.batch} rollouts per step, lr {args.lr}; config `configs/tiny_trm.py` "
       "with an fp32 sampler and no logit noise, so staleness is the only mismatch. "
       f"Held-out: {args.eval_problems} problems, avg@{args.eval_samples} and greedy, at step 0 "
       "and the end. Largest token KL: the batch maximum of KL(pi_roll || pi_theta) per token, "

@@ -3,7 +3,7 @@ r"""TRM paper, small scale: which off-policy correction survives an injected rol
   python -m experiments.trm_mismatch                      # default: 9 methods x 3 seeds
   python -m experiments.trm_mismatch --steps 20 --seeds 0 --methods ppo_clip,trm_max_kl
 
-The policy is the tiny Qwen3-MoE-shaped model of `trm_jax/configs/tiny_moe_mismatch.py`. The sampler
+The policy is the tiny Qwen3-MoE-shaped model of `configs/tiny_moe_mismatch.py`. The sampler
 runs it in bf16 with Gaussian jitter on the router logits (a few tokens get routed to other
 experts: large divergence on few tokens, the MoE-flip regime of the TRM paper), the learner in
 fp32. Every method trains on the same prompts from the same base model:
@@ -49,7 +49,7 @@ from trm_jax import sweep
 from trm_jax.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(REPO, "trm_jax", "configs", "tiny_moe_mismatch.py")
+CONFIG = os.path.join(REPO, "configs", "tiny_moe_mismatch.py")
 
 # method -> config overrides. All use the same loss aggregation (the config's), so the only
 # difference is how the pi_theta / pi_roll mismatch is handled.
@@ -251,7 +251,7 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
   return report.write_summary(out, [
       "# TRM under injected mismatch (MoE router jitter + bf16 rollout)",
       f"{len(stats)} methods x {n_seeds} seeds, {args.steps} RL steps each, router noise "
-      f"{args.router_noise}, lr {args.lr}; config `trm_jax/configs/tiny_moe_mismatch.py`. "
+      f"{args.router_noise}, lr {args.lr}; config `configs/tiny_moe_mismatch.py`. "
       f"Held-out: {args.eval_problems} problems, avg@{args.eval_samples} at the rollout "
       "temperature and greedy accuracy. `change - control`: the run's reward change (last - "
       "first 10 % of steps) minus the frozen control's for the same seed. "

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "trm_jax" / "configs" / "tiny_trm.py"
+CONFIG = ROOT / "configs" / "tiny_trm.py"
 TINY_BASE = {"warmup.steps": 80, "warmup.batch_size": 32, "task.synthetic.max_operands": 3,
              "task.synthetic.max_value": 9}
 

@@ -119,7 +119,7 @@ def _aot(*args, tmp_path):
   env.pop("XLA_FLAGS", None)   # the tool's host needs one CPU device, not the tests' eight
   return subprocess.run(
       [sys.executable, "-m", "trm_jax.aot", "--config",
-       os.path.join(ROOT, "trm_jax", "configs", "tiny_smd.py"), "--topology", "v5e:2x2",
+       os.path.join(ROOT, "configs", "tiny_smd.py"), "--topology", "v5e:2x2",
        "--model", _tiny_model(tmp_path), *args],
       capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
 
@@ -142,7 +142,7 @@ def test_disaggregated_sampler_gets_its_devices_and_a_copy_in_its_dtype():
   and the per-rollout copy sized in the sampler's dtype (what step.to_sampler sends)."""
   from trm_jax import aot, config as config_lib   # pylint: disable=g-import-not-at-top
   from trm_jax.kernels import tpu_aot             # pylint: disable=g-import-not-at-top
-  c = config_lib.load_config(os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py"))
+  c = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py"))
   c.mesh.rollout_devices, c.rollout.dtype, c.rl.staleness = 1, "bfloat16", 1
   cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128)
@@ -228,7 +228,7 @@ def test_program_that_does_not_fit_exits_1_naming_its_knobs(tmp_path):
 ])
 def test_bad_input_is_one_line_naming_it(tmp_path, capsys, args, msg):
   from trm_jax import aot   # pylint: disable=g-import-not-at-top
-  argv = ["--config", os.path.join(ROOT, "trm_jax", "configs", "tiny_smd.py"),
+  argv = ["--config", os.path.join(ROOT, "configs", "tiny_smd.py"),
           "--topology", "v5e:2x2", "--model", _tiny_model(tmp_path),
           "--out", str(tmp_path / "r.json"), *args]
   assert aot.main(argv) == 2

@@ -18,7 +18,7 @@ from trm_jax.rl.learner import LearnerBatch, make_learner
 from trm_jax import step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "trm_jax", "configs"))
+CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs"))
                  if f.endswith(".py") and f != "__init__.py")
 
 # The published config.json architecture fields of the checkpoints the large configs name.
@@ -33,7 +33,7 @@ QWEN3_4B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2560,
 
 
 def _load(name):
-  return config_lib.load_config(os.path.join(ROOT, "trm_jax", "configs", name))
+  return config_lib.load_config(os.path.join(ROOT, "configs", name))
 
 
 def _with_data_paths(c):
@@ -97,8 +97,53 @@ def test_paper_configs_trace_with_abstract_shapes(name, hf):
 def _cli(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "trm_jax.train", "--config",
-                         os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py"), *args],
+                         os.path.join(ROOT, "configs", "tiny_trm.py"), *args],
                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+
+
+def test_shipped_name_resolves_to_the_shipped_file(tmp_path, monkeypatch):
+  """`tiny_trm`, `tiny_trm.py` and `tiny_smd:arg` name the files in configs/ from any
+  directory; an existing local file of that name wins; an unknown name lists the shipped."""
+  monkeypatch.chdir(tmp_path)
+  shipped = os.path.join(ROOT, "configs", "tiny_trm.py")
+  assert config_lib.shipped_dir() == os.path.join(ROOT, "configs")
+  assert config_lib.resolve_config("tiny_trm") == shipped
+  assert config_lib.resolve_config("tiny_trm.py") == shipped
+  assert config_lib.resolve_config("tiny_smd:x") == os.path.join(ROOT, "configs", "tiny_smd.py:x")
+  assert config_lib.shipped_names() == [f[:-3] for f in CONFIGS]
+  # One copy of each config: nothing under trm_jax/ duplicates configs/ in a checkout.
+  # (A directory may linger there with a stale __pycache__ from before the move.)
+  old = os.path.join(ROOT, "trm_jax", "configs")
+  assert not (os.path.isdir(old) and any(f.endswith(".py") for f in os.listdir(old)))
+  (tmp_path / "tiny_trm.py").write_text("def get_config():\n  return 'local'\n")
+  assert config_lib.resolve_config("tiny_trm.py") == "tiny_trm.py"
+  assert config_lib.load_config("tiny_trm.py") == "local"
+  # A derived config starts from the shipped tiny_trm even beside a local tiny_trm.py.
+  assert config_lib.load_config("tiny_smd").task.synthetic.filler == 2
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.resolve_config("tiny_trn")
+  assert str(e.value) == ("config file not found: tiny_trn (give a path, or the name of a "
+                          "shipped config: " + ", ".join(f[:-3] for f in CONFIGS) + ")")
+  with pytest.raises(config_lib.ConfigError, match="config file not found: sub/tiny_trm.py"):
+    config_lib.resolve_config("sub/tiny_trm.py")   # a path is a path: no fallback
+
+
+def test_cli_resolves_a_shipped_name_from_another_directory(tmp_path):
+  """`python -m trm_jax.train --config tiny_trm` outside the repository reaches the override
+  check of the shipped config (a misspelt key fails there, before any work)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+  r = subprocess.run([sys.executable, "-m", "trm_jax.train", "--config", "tiny_trm",
+                      "--workdir", str(tmp_path / "w"), "--config.rl.group_sise=4"],
+                     capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+  assert r.returncode != 0
+  assert "unknown config key 'rl.group_sise'" in r.stderr, r.stderr
+  r = subprocess.run([sys.executable, "-m", "trm_jax.train", "--config=tiny_trn",
+                      "--workdir", str(tmp_path / "w")],
+                     capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+  assert r.returncode != 0
+  assert r.stderr.strip().splitlines()[-1].startswith("error: config file not found: tiny_trn")
+  assert not (tmp_path / "w").exists()
 
 
 def test_cli_rejects_misspelt_key_before_any_work(tmp_path):

@@ -23,7 +23,7 @@ def tok(tmp_path_factory):
 
 
 def _task_config(**kw) -> ml_collections.ConfigDict:
-  c = config_lib.load_config(os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py")).task
+  c = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py")).task
   c.update(kw)
   return c
 
@@ -43,7 +43,7 @@ def _gsm8k_rows(n):
 def test_derived_sizes_of_the_tiny_configs_are_unchanged(tok, name, P, R):
   """The derived lengths equal what the trainer used before they were derived (prompt chars +
   6 template tokens, solution chars + <eos>), so the tiny runs compile the same shapes."""
-  c = config_lib.load_config(os.path.join(ROOT, "trm_jax", "configs", name))
+  c = config_lib.load_config(os.path.join(ROOT, "configs", name))
   task = Task(c.task, c.seed, tok, c.eval_problems)
   syn = synthetic.SyntheticConfig(**c.task.synthetic.to_dict())
   assert (task.max_prompt_len, task.max_new_tokens) == (P, R)

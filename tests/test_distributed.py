@@ -96,7 +96,7 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
 
 
 def _trainer_args(tmp, workdir):
-  return [sys.executable, "-m", "trm_jax.train", "--config", "trm_jax/configs/tiny_trm.py",
+  return [sys.executable, "-m", "trm_jax.train", "--config", "configs/tiny_trm.py",
           "--workdir", workdir, "--config.total_steps=2", "--config.ckpt_every=1",
           "--config.rl.batch_size=8", "--config.rl.group_size=4", "--config.eval_problems=0",
           "--config.warmup.steps=10", "--config.warmup.batch_size=16",

@@ -6,7 +6,7 @@
     masked track equals the rollout's log-probs to < 1e-5 (fp32) while dense scoring does not;
   * quickstart: a 3-step TRM run through `train.run` writes the curves it plots, prints the
     eval accuracy of summary.json, and keeps the warm-up cache inside the test's tmp dir; with
-    no environment overrides its knobs are exactly trm_jax/configs/tiny_trm.py's defaults.
+    no environment overrides its knobs are exactly configs/tiny_trm.py's defaults.
 
 Sizes reach the notebooks through TRM_NB_* environment variables, which the kernel inherits.
 The kernel runs this interpreter (a kernelspec written into a tmp JUPYTER_PATH), so it imports
@@ -163,7 +163,7 @@ def _knob_cell(nb) -> str:
 
 
 def test_quickstart_defaults_are_the_config(monkeypatch, tmp_path):
-  """Without overrides the knob cell leaves trm_jax/configs/tiny_trm.py's get_config() untouched."""
+  """Without overrides the knob cell leaves configs/tiny_trm.py's get_config() untouched."""
   for k in list(os.environ):
     if k.startswith("TRM_NB_"):
       monkeypatch.delenv(k)
@@ -171,7 +171,7 @@ def test_quickstart_defaults_are_the_config(monkeypatch, tmp_path):
   nb = nbformat.read(os.path.join(NB_DIR, "quickstart.ipynb"), as_version=4)
   ns = {"os": os}
   exec(_knob_cell(nb), ns)  # pylint: disable=exec-used
-  spec = importlib.util.spec_from_file_location("tiny_trm", os.path.join(ROOT, "trm_jax", "configs",
+  spec = importlib.util.spec_from_file_location("tiny_trm", os.path.join(ROOT, "configs",
                                                                           "tiny_trm.py"))
   cfg = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(cfg)

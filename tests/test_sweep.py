@@ -21,7 +21,7 @@ from trm_jax import sweep
 from trm_jax import workdir as wd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py")
+CONFIG = os.path.join(ROOT, "configs", "tiny_trm.py")
 
 pytestmark = pytest.mark.slow
 

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 
 def _args(shared, workdir, *overrides):
-  return [sys.executable, "-m", "trm_jax.train", "--config", "trm_jax/configs/tiny_trm.py",
+  return [sys.executable, "-m", "trm_jax.train", "--config", "configs/tiny_trm.py",
           "--workdir", workdir,
           f"--config.total_steps={STEPS}", "--config.ckpt_every=2", "--config.keep_ckpts=2",
           "--config.rl.batch_size=16", "--config.rl.group_size=4",

@@ -116,7 +116,7 @@ def test_batch_is_split_over_data_and_fsdp():
 
 
 def test_mesh_from_config_fills_minus_one_and_names_bad_keys():
-  c = config_lib.load_config(os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py"))
+  c = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py"))
   mesh, sampler = train.make_mesh(c)
   assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1} and sampler is None
   c.mesh.fsdp, c.mesh.tensor = 2, 2
@@ -134,7 +134,7 @@ def test_mesh_from_config_fills_minus_one_and_names_bad_keys():
 
 
 def test_disaggregated_meshes_split_the_devices():
-  c = config_lib.load_config(os.path.join(ROOT, "trm_jax", "configs", "tiny_trm.py"))
+  c = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py"))
   c.mesh.rollout_devices = 4
   mesh, sampler = train.make_mesh(c)
   devices = jax.devices()

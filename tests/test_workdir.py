@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _train_cli(workdir, *extra):
   return subprocess.run(
-      [sys.executable, "-m", "trm_jax.train", "--config", "trm_jax/configs/tiny_trm.py", "--workdir",
+      [sys.executable, "-m", "trm_jax.train", "--config", "configs/tiny_trm.py", "--workdir",
        workdir, "--config.total_steps=2", *extra],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
 

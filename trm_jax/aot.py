@@ -1,7 +1,7 @@
 r"""Ahead-of-time compile of a config's training programs for a TPU slice, on a machine without one.
 
   pip install -e '.[tpu]'
-  python -m trm_jax.aot --config trm_jax/configs/qwen3_8b_dapo_trm.py --topology v5p:4x4x4 \
+  python -m trm_jax.aot --config configs/qwen3_8b_dapo_trm.py --topology v5p:4x4x4 \
       [--model Qwen3-8B | --model /ckpt/Qwen3-8B | --model path/to/config.json] \
       [--programs rollout,score,update] [--out aot.json] [--config.rl.num_microbatches=4 ...]
 
@@ -461,14 +461,11 @@ def main(argv: Sequence[str]) -> int:
                             flag_values=fv)
   hlo_dir = flags.DEFINE_string("hlo_dir", "", "also write each program's optimized HLO "
                                 "(one device's program) into this directory", flag_values=fv)
-  spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-  if spec is None and "--config" in argv:
-    i = list(argv).index("--config")
-    spec = argv[i + 1] if i + 1 < len(argv) else None
   try:
+    argv, spec = config_lib.resolve_config_flag(argv)
     if not spec:
       raise ConfigError("--config is required (a config file, e.g. "
-                        "trm_jax/configs/qwen3_8b_dapo_trm.py)")
+                        "configs/qwen3_8b_dapo_trm.py)")
     config_lib.check_override_keys(config_lib.load_config(spec), argv)
     # config_flags reads the `--config.x=` overrides from sys.argv itself.
     saved, sys.argv = sys.argv, [sys.argv[0], *argv]

@@ -14,7 +14,7 @@ import difflib
 import importlib.util
 import math
 import os
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import ml_collections
 
@@ -30,14 +30,85 @@ DTYPES = ("float32", "bfloat16")
 FILE_TASKS = ("gsm8k", "dapo_math", "aime")
 
 
-def load_config(spec: str) -> ml_collections.ConfigDict:
-  """Loads `path/to/config.py[:arg]` and calls its `get_config(arg)`."""
-  path, _, arg = spec.partition(":")
-  if not os.path.isfile(path):
-    raise ConfigError(f"config file not found: {path}")
-  mod_spec = importlib.util.spec_from_file_location("_trm_config", path)
+# The shipped configs: one copy, in the repository's top-level `configs/`. A wheel carries the
+# same files as `configs/` (pyproject.toml maps the directory there), so a shipped name
+# resolves with or without the repository.
+_PKG = os.path.dirname(os.path.abspath(__file__))
+_SHIPPED_DIRS = (os.path.join(_PKG, "configs"), os.path.join(os.path.dirname(_PKG), "configs"))
+
+
+def shipped_dir() -> str:
+  """The directory holding the shipped configs (installed package first, then the checkout)."""
+  for d in _SHIPPED_DIRS:
+    if os.path.isfile(os.path.join(d, "tiny_trm.py")):
+      return d
+  raise ConfigError(f"no shipped configs found (looked in {', '.join(_SHIPPED_DIRS)})")
+
+
+def shipped_names() -> list[str]:
+  """Names of the shipped configs (`tiny_trm`, ...), usable wherever a config path is."""
+  return sorted(f[:-3] for f in os.listdir(shipped_dir())
+                if f.endswith(".py") and not f.startswith("_"))
+
+
+def resolve_config(spec: str) -> str:
+  """`path/to/config.py[:arg]`, or a shipped config's name (`tiny_trm[:arg]`) -> `file[:arg]`.
+
+  An existing file wins, so a local `tiny_trm.py` is not shadowed; a name (no directory part,
+  `.py` optional) falls back to the shipped config of that name. The one place where `--config`
+  values of train, sweep and aot are resolved.
+  """
+  path, sep, arg = spec.partition(":")
+  if os.path.isfile(path):
+    return spec
+  name = path[:-3] if path.endswith(".py") else path
+  if name and os.path.basename(name) == name and not name.startswith("_"):
+    file = os.path.join(shipped_dir(), name + ".py")
+    if os.path.isfile(file):
+      return file + sep + arg
+  raise ConfigError(f"config file not found: {path} (give a path, or the name of a shipped "
+                    f"config: {', '.join(shipped_names())})")
+
+
+def resolve_config_flag(argv: Sequence[str], default: Optional[str] = None
+                        ) -> tuple[list[str], Optional[str]]:
+  """(argv with its `--config` value resolved, that resolved spec or `default`).
+
+  ml_collections' config_flags only loads file paths; rewriting the value before absl parses
+  argv lets `--config tiny_trm` name a shipped config.
+  """
+  argv = list(argv)
+  for i, a in enumerate(argv):
+    if a.startswith("--config="):
+      spec = resolve_config(a.split("=", 1)[1])
+      argv[i] = f"--config={spec}"
+      return argv, spec
+    if a == "--config" and i + 1 < len(argv):
+      spec = argv[i + 1] = resolve_config(argv[i + 1])
+      return argv, spec
+  return argv, default
+
+
+def _exec_module(path: str, name: str):
+  mod_spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(mod_spec)
   mod_spec.loader.exec_module(module)
+  return module
+
+
+def shipped_module(name: str):
+  """A shipped config as a module; configs derived from another one start from it with
+  `tiny_trm = config_lib.shipped_module("tiny_trm")`, wherever they live."""
+  path = os.path.join(shipped_dir(), name + ".py")
+  if not os.path.isfile(path):
+    raise ConfigError(f"no shipped config {name!r} (shipped: {', '.join(shipped_names())})")
+  return _exec_module(path, f"_trm_config_{name}")
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+  """Loads `path/to/config.py[:arg]` (or a shipped name) and calls its `get_config(arg)`."""
+  path, _, arg = resolve_config(spec).partition(":")
+  module = _exec_module(path, "_trm_config")
   if not hasattr(module, "get_config"):
     raise ConfigError(f"{path} defines no get_config()")
   return module.get_config(arg) if arg else module.get_config()

@@ -1,6 +1,6 @@
 r"""Batch experiments: a grid of config overrides, run as processes, resumable, one CSV.
 
-  python -m trm_jax.sweep --config trm_jax/configs/tiny_trm.py --workdir /tmp/sweep \
+  python -m trm_jax.sweep --config configs/tiny_trm.py --workdir /tmp/sweep \
       --grid optim.lr=1e-5,3e-5 --grid seed=0,1,2 --set total_steps=40 --parallel 2
   python -m trm_jax.sweep --workdir /tmp/sweep --aggregate   # CSV + plots only
 
@@ -429,7 +429,7 @@ def plot_grouped(workdir: str, keys: Sequence[str], out_png: str, *,
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   p = argparse.ArgumentParser(prog="python -m trm_jax.sweep", description=__doc__.split("\n")[0])
-  p.add_argument("--config", help="experiment config file (path[:arg])")
+  p.add_argument("--config", help="experiment config: a file (path[:arg]) or a shipped name")
   p.add_argument("--workdir", required=False)
   p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                  help="one grid axis; repeat for a product")

@@ -1,6 +1,6 @@
 r"""The RL trainer: the loop around `step.rl_step`, with resume, evaluation and export.
 
-  python -m trm_jax.train --config trm_jax/configs/tiny_trm.py --workdir /tmp/trm_tiny \
+  python -m trm_jax.train --config configs/tiny_trm.py --workdir /tmp/trm_tiny \
       [--config.total_steps=100 --config.trm.criteria="('trm_max_kl','trm_avg_kl')" ...]
 
 `run` prepares the workdir (one trainer at a time: `workdir.WorkdirLock`), builds the mesh,
@@ -65,8 +65,8 @@ from trm_jax.models.hf_io import CheckpointFileError, CheckpointMismatchError
 
 log = logging.getLogger("trm_jax.train")
 
-# The default main job, found inside the package so that it works from any directory.
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_trm.py")
+# The default main job, the shipped `tiny_trm`, so that it works from any directory.
+DEFAULT_CONFIG = config_lib.resolve_config("tiny_trm")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG,
                                           "experiment config (python file with get_config)",
                                           lock_config=True)
@@ -398,12 +398,10 @@ def main(argv):
 def cli():
   # Fail on misspelt `--config.x=...` keys before absl's own parsing (which would print a bare
   # AttributeError) and before any work.
-  spec = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--config=")), None)
-  if spec is None and "--config" in sys.argv:
-    i = sys.argv.index("--config")
-    spec = sys.argv[i + 1] if i + 1 < len(sys.argv) else None
+  # `--config tiny_trm` names a shipped config: resolved to its file before absl sees it.
   try:
-    config_lib.check_override_keys(config_lib.load_config(spec or DEFAULT_CONFIG), sys.argv)
+    sys.argv, spec = config_lib.resolve_config_flag(sys.argv, DEFAULT_CONFIG)
+    config_lib.check_override_keys(config_lib.load_config(spec), sys.argv)
   except config_lib.ConfigError as e:
     sys.exit(f"error: {e}")
   app.run(main)

@@ -7,7 +7,7 @@ sampler is compiled for.
   held_out = task.eval_problems(n)              # never returned by `batch`
   P, R = task.max_prompt_len, task.max_new_tokens
 
-Config keys read (the `task` section of trm_jax/configs/tiny_trm.py):
+Config keys read (the `task` section of configs/tiny_trm.py):
   name            synthetic | gsm8k | dapo_math | aime: the training source and its file format.
   path            the training file (file tasks).
   eval_path       the held-out file; "" = hold out rows of `path` (below).

@@ -1,6 +1,6 @@
 """Experiment configs (big_vision style): Python files with `get_config(arg=None)`.
 
-  python -m trm_jax.train --config trm_jax/configs/tiny_trm.py --workdir /tmp/run \
+  python -m trm_jax.train --config configs/tiny_trm.py --workdir /tmp/run \
       --config.optim.lr=1e-4
 
   tiny_trm            the default main job: GRPO + TRM-max on the synthetic task, CPU, minutes
@@ -10,6 +10,8 @@
   qwen3_4b_smd_gsm8k  the SMD paper's run: Qwen3-4B on GSM8K (an accelerator pod)
 
 `tiny_trm` holds every setting with its one default and a comment; the others start from it
-(`from trm_jax.configs import tiny_trm`) and change what their experiment needs. A config of
-your own can live anywhere: `--config path/to/my_config.py`.
+(`tiny_trm = config_lib.shipped_module("tiny_trm")`) and change what their experiment needs. A
+config of your own can live anywhere: `--config path/to/my_config.py`. `--config tiny_trm` (a
+name without a directory) resolves to the shipped file, in a checkout and from an installed
+wheel, which carries these files as `trm_jax/configs/` (`trm_jax.config.resolve_config`).
 """

@@ -1,6 +1,6 @@
 r"""The default main job: GRPO + Trust Region Masking on the synthetic running-sum task, on CPU.
 
-  python -m trm_jax.train --config trm_jax/configs/tiny_trm.py --workdir /tmp/trm_tiny
+  python -m trm_jax.train --config configs/tiny_trm.py --workdir /tmp/trm_tiny
 
 A 2-layer decoder is first taught the worked-solution format by a short supervised warm-up
 (cached under warmup.cache_dir), then trained with GRPO. The rollout runs in bf16 with a little

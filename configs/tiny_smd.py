@@ -1,6 +1,6 @@
 r"""Shadow Mask Distillation on the synthetic task, on CPU: 50% H2O-compressed rollouts.
 
-  python -m trm_jax.train --config trm_jax/configs/tiny_smd.py --workdir /tmp/smd_tiny
+  python -m trm_jax.train --config configs/tiny_smd.py --workdir /tmp/smd_tiny
 
 The task is `tiny_trm.py`'s with filler spaces in the prompt (see below); the rollout keeps a
 KV cache with half the keys of each sequence (H2O: heavy hitters + recent window, evicting
@@ -10,7 +10,10 @@ and distils from the dense stop-gradient teacher with lambda = 0.1 (SMD paper, S
 Switch `smd.mode` to naive | sparse_rl to run the SMD paper's baselines on the same rollouts, or
 set `rollout.cache.policy=none` with `smd.mode=dense` for the uncompressed reference.
 """
-from trm_jax.configs import tiny_trm
+from trm_jax import config as config_lib
+
+# The shipped default job, by name: found in a checkout and in an installed wheel alike.
+tiny_trm = config_lib.shipped_module("tiny_trm")
 
 
 def get_config(arg=None):

@@ -1,13 +1,16 @@
 r"""The SMD paper's run: Qwen3-4B-Instruct on GSM8K with 50% SnapKV-compressed rollouts.
 
-  python -m trm_jax.train --config trm_jax/configs/qwen3_4b_smd_gsm8k.py --workdir /ckpt/smd_4b \
+  python -m trm_jax.train --config configs/qwen3_4b_smd_gsm8k.py --workdir /ckpt/smd_4b \
       --config.model.path=/ckpt/Qwen3-4B-Instruct --config.task.path=/data/gsm8k/train.jsonl \
       --config.task.eval_path=/data/gsm8k/test.jsonl
 
 Shadow masking replays SnapKV's retention record in the learner; lambda = 0.1 (the SMD paper's best;
 0.8 degrades). `smd.mode` = dense | naive | sparse_rl | smd reproduces the SMD paper's comparison.
 """
-from trm_jax.configs import tiny_trm
+from trm_jax import config as config_lib
+
+# The shipped default job, by name: found in a checkout and in an installed wheel alike.
+tiny_trm = config_lib.shipped_module("tiny_trm")
 
 
 def get_config(arg=None):

@@ -1,6 +1,6 @@
 r"""The TRM paper's run: Qwen3-8B on DAPO-Math-17k with TRM-max, evaluated avg@32 on AIME25.
 
-  python -m trm_jax.train --config trm_jax/configs/qwen3_8b_dapo_trm.py --workdir gs://.../qwen3_8b_trm \
+  python -m trm_jax.train --config configs/qwen3_8b_dapo_trm.py --workdir gs://.../qwen3_8b_trm \
       --config.model.path=/ckpt/Qwen3-8B --config.task.path=/data/dapo-math-17k.parquet \
       --config.task.eval_path=/data/aime25.jsonl
 
@@ -11,7 +11,10 @@ per token (0.051 at 0.95), which TRM-max at delta = 0.05 would count as mismatch
 The sampler runs in bf16 (the realistic source of pi_roll != pi_theta together with
 staleness). Needs an accelerator pod; nothing here runs on CPU.
 """
-from trm_jax.configs import tiny_trm
+from trm_jax import config as config_lib
+
+# The shipped default job, by name: found in a checkout and in an installed wheel alike.
+tiny_trm = config_lib.shipped_module("tiny_trm")
 
 
 def get_config(arg=None):

@@ -1,6 +1,6 @@
 r"""TRM under injected rollout/learner mismatch: a tiny Qwen3-MoE-shaped policy, on CPU.
 
-  python -m trm_jax.train --config trm_jax/configs/tiny_moe_mismatch.py --workdir /tmp/trm_moe
+  python -m trm_jax.train --config configs/tiny_moe_mismatch.py --workdir /tmp/trm_moe
 
 The base experiment of `experiments/trm_mismatch.py`. The policy is a 2-layer decoder whose
 MLPs are 8-expert top-2 MoE blocks (the Qwen3-MoE layout), warmed up on the synthetic task like
@@ -10,7 +10,10 @@ routing flip" source of pi_roll != pi_theta in the TRM paper (Sec. 1), which giv
 a large divergence rather than every token a small one. The experiment varies the objective
 and the masking criteria over this config.
 """
-from trm_jax.configs import tiny_trm
+from trm_jax import config as config_lib
+
+# The shipped default job, by name: found in a checkout and in an installed wheel alike.
+tiny_trm = config_lib.shipped_module("tiny_trm")
 
 
 def get_config(arg=None):
