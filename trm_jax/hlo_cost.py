@@ -18,7 +18,10 @@ roofline of a training step both matter, so `program_cost` re-counts:
     kernels/flash_attention_tpu.py) are counted analytically from their per-chip operand
     shapes: 2, 3 and 4 matmuls of 2*B*N*H*T^2/2 FLOPs (causal half; the kernel skips blocks
     above the diagonal); their bytes are operands and results once, as XLA:TPU counts a
-    custom call (a lower bound on the kernel's traffic).
+    custom call (a lower bound on the kernel's traffic);
+  * the Triton attention kernels (`vis_flash_fwd`, `_bwd_dq`, `_bwd_dkdv`, named in the
+    custom call's op_name; kernels/flash_attention.py) likewise, from their per-device q
+    [B, T, N, H]: XLA:GPU's cost analysis counts a `__gpu$xla.gpu.triton` call as 0 FLOPs.
 
 Bytes are XLA's cost model, which charges every unfused instruction its operands and
 results: a same-width bitcast-convert around an in-place cache update counts the whole
@@ -35,6 +38,8 @@ from typing import Optional
 # Matmuls per attention kernel call (forward: q k^T and p v; dq: s, dO v^T, dS k; dk/dv: s^T,
 # p^T dO, v dO^T, dS^T q).
 KERNEL_MATMULS = {"vis_flash_tpu_fwd": 2, "vis_flash_tpu_bwd_dq": 3, "vis_flash_tpu_bwd_dkdv": 4}
+# The Triton kernels' names (GPU), by the same count; matched in the call's op_name metadata.
+TRITON_KERNEL_MATMULS = {"vis_flash_fwd": 2, "vis_flash_bwd_dq": 3, "vis_flash_bwd_dkdv": 4}
 
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\{$")
 _WHILE = re.compile(r"while\(.*condition=%([\w.\-]+), body=%([\w.\-]+)")
@@ -42,6 +47,8 @@ _CALLS = re.compile(r"(?:calls|to_apply|true_computation|false_computation)=%([\
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _REF = re.compile(r"%([\w.\-]+)")
 _CUSTOM = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*custom_call_target="tpu_custom_call"')
+_TRITON = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*custom_call_target="__gpu\$xla\.gpu\.triton"'
+                     r'.*op_name="[^"]*/(vis_flash_fwd|vis_flash_bwd_dq|vis_flash_bwd_dkdv)/')
 _SHAPE = re.compile(r"(?:bf16|f32|f16|s32)\[([\d,]+)\]")
 
 
@@ -208,6 +215,9 @@ def kernel_cost(line: str) -> tuple[float, float]:
   for a custom call, and a lower bound on the kernel's traffic); FLOPs are analytic for the
   attention kernels and 0 for any other Mosaic kernel.
   """
+  t = _TRITON.match(line)
+  if t:
+    return _triton_kernel_cost(line, t.group(2))
   m = _CUSTOM.match(line)
   if not m:
     return 0.0, 0.0
@@ -228,6 +238,21 @@ def kernel_cost(line: str) -> tuple[float, float]:
   rows = [s[2] for s in shapes if len(s) == 3 and s[:2] == (B, T)]   # q/k/v [B, T, heads*H]
   H = max(rows) // N
   return KERNEL_MATMULS[kernel] * 2.0 * B * N * H * T * T / 2, nbytes
+
+
+def _triton_kernel_cost(line: str, kernel: str) -> tuple[float, float]:
+  """(FLOPs, bytes) of one Triton attention kernel call: its first operand is q [B, T, N, H]
+  (T and H as padded for the kernel), FLOPs the causal half of its matmuls."""
+  head = line.split("backend_config=", 1)[0]
+  results = head.split(" = ", 1)[1].split(" custom-call(", 1)[0]
+  operands = head.split("operand_layout_constraints={", 1)[1] if "operand_layout_" in head else ""
+  shapes = [tuple(int(d) for d in s.split(",")) for s in _SHAPE.findall(operands)]
+  if not shapes or len(shapes[0]) != 4:
+    raise ValueError(f"Triton attention kernel {kernel} without a [B, T, N, H] first operand: "
+                     f"{head[:300]}")
+  B, T, N, H = shapes[0]
+  nbytes = float(_nbytes(results) + _nbytes(operands))
+  return TRITON_KERNEL_MATMULS[kernel] * 2.0 * B * N * H * T * T / 2, nbytes
 
 
 def program_cost(compiled, *, default_trips: Optional[int] = None) -> dict:
