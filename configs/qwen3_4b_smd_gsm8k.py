@@ -1,8 +1,15 @@
 r"""The SMD paper's run: Qwen3-4B-Instruct on GSM8K with 50% SnapKV-compressed rollouts.
 
   python -m trm_jax.train --config configs/qwen3_4b_smd_gsm8k.py --workdir /ckpt/smd_4b \
-      --config.model.path=/ckpt/Qwen3-4B-Instruct --config.task.path=/data/gsm8k/train.jsonl \
-      --config.task.eval_path=/data/gsm8k/test.jsonl
+      --config.model.path=/ckpt/Qwen3-4B-Instruct
+
+GSM8K is the Hugging Face dataset `openai/gsm8k`, subset "main": its train split trains, its
+test split (1319 problems) is held out. `datasets` reads it from the local cache (filled once
+with `datasets.load_dataset("openai/gsm8k", "main")`; set HF_DATASETS_OFFLINE=1 on hosts
+without network). A `save_to_disk` copy with the same splits is
+`--config.task.path=/data/gsm8k --config.task.subset=`, and jsonl files are
+`--config.task.path=/data/gsm8k/train.jsonl --config.task.eval_path=/data/gsm8k/test.jsonl
+--config.task.subset= --config.task.split= --config.task.eval_split=`.
 
 Shadow masking replays SnapKV's retention record in the learner; lambda = 0.1 (the SMD paper's best;
 0.8 degrades). `smd.mode` = dense | naive | sparse_rl | smd reproduces the SMD paper's comparison.
@@ -26,6 +33,10 @@ def get_config(arg=None):
   c.model.remat = True
 
   c.task.name = "gsm8k"
+  c.task.path = "openai/gsm8k"       # the hub dataset (module docstring)
+  c.task.subset = "main"
+  c.task.split = "train"
+  c.task.eval_split = "test"         # held out: GSM8K's test split of the same dataset
   c.task.max_prompt_len = 512
   c.task.max_new_tokens = 1024
 

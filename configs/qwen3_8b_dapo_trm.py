@@ -4,6 +4,9 @@ r"""The TRM paper's run: Qwen3-8B on DAPO-Math-17k with TRM-max, evaluated avg@3
       --config.model.path=/ckpt/Qwen3-8B --config.task.path=/data/dapo-math-17k.parquet \
       --config.task.eval_path=/data/aime25.jsonl
 
+Either path may also be a `save_to_disk` directory or a Hugging Face dataset id (with
+`--config.task.split=train`, `--config.task.eval_split=...`; trm_jax/data/loaders.py).
+
 Settings from the paper's experimental section: group 16, batch 32 prompts, lr 1e-6;
 evaluation at top-p 0.95, temperature 1.0 (the paper states these for evaluation). Training
 rollouts are untruncated (top-p 1): a nucleus cut changes pi_roll by up to -log(top_p) nats

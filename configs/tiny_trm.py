@@ -51,10 +51,21 @@ def get_config(arg=None):
   # Task
   c.task = ml_collections.ConfigDict()
   c.task.name = "synthetic"        # synthetic | gsm8k | dapo_math | aime
-  c.task.path = ""                 # local jsonl/parquet file for the file-based tasks
-  c.task.eval_path = ""            # held-out file (file-based tasks); "" = hold out
+  c.task.path = ""                 # training data of the file-based tasks: a local
+                                   #   jsonl/json/parquet file, a save_to_disk directory, or
+                                   #   a Hugging Face dataset id (trm_jax/data/loaders.py)
+  c.task.subset = ""               # the dataset's subset (hub config name, GSM8K's "main");
+                                   #   "" = its default; files have none
+  c.task.split = ""                # split of task.path to train on ("train"); "" = the only
+                                   #   one (a file or a Dataset); a DatasetDict needs it
+  c.task.eval_path = ""            # held-out data (same kinds as task.path); "" = a held-out
+                                   #   split of task.path (task.eval_split), else
                                    #   eval_problems rows of task.path (a fixed-seed choice,
                                    #   trm_jax/data/task.py) that training never draws
+  c.task.eval_subset = ""          # subset of task.eval_path; "" = its default
+  c.task.eval_split = ""           # held-out split: of task.eval_path, or with eval_path ""
+                                   #   another split of task.path ("test"); "" = the only
+                                   #   one, or held-out rows as above
   c.task.eval_name = ""            # format of eval_path: gsm8k | dapo_math | aime; "" = the
                                    #   same as task.name (dapo_math training, aime evaluation)
   c.task.synthetic = ml_collections.ConfigDict(dict(

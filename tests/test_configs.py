@@ -37,13 +37,20 @@ def _load(name):
 
 
 def _with_data_paths(c):
-  """The paper configs leave the data files to the command line (their docstrings say so)."""
-  if c.task.name != "synthetic":
+  """The DAPO config leaves its data files to the command line (its docstring says so); the
+  GSM8K config names the hub dataset, its subset and both splits."""
+  if c.task.name != "synthetic" and not c.task.path:
     with pytest.raises(config_lib.ConfigError, match="task.path"):
       config_lib.validate(c)
     c.task.path = "/data/train.parquet"
     c.task.eval_path = "/data/eval.jsonl" if c.task.eval_name else ""
   return c
+
+
+def test_gsm8k_config_names_the_hub_dataset():
+  t = _load("qwen3_4b_smd_gsm8k.py").task
+  assert (t.path, t.subset, t.split, t.eval_path, t.eval_split) == (
+      "openai/gsm8k", "main", "train", "", "test")
 
 
 @pytest.mark.parametrize("name", CONFIGS)

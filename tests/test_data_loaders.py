@@ -1,7 +1,9 @@
-"""Loaders over small real jsonl / parquet files in the three layouts."""
+"""Loaders over small real jsonl / parquet files and `datasets` datasets in the three layouts."""
+import dataclasses
 import json
 import re
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -218,3 +220,98 @@ def test_uid_is_file_and_row(tmp_path):
   b = _write(tmp_path, "b.jsonl", GSM8K[:1])
   assert [p.uid for p in load_problems("gsm8k", [str(a), b])] == ["a.jsonl:0", "a.jsonl:1",
                                                                   "b.jsonl:0"]
+
+
+# ------------------------------------------------------------------ Hugging Face datasets
+# Built here, on local disk only: conftest.py sets HF_HUB_OFFLINE, so nothing reaches a network.
+def _without_uid(problems):
+  return [dataclasses.replace(p, uid="") for p in problems]
+
+
+@pytest.mark.parametrize("kind,rows,kw", [("gsm8k", GSM8K, {}), ("dapo_math", DAPO, {}),
+                                          ("aime", AIME, {"instruction": None})])
+def test_save_to_disk_dataset_loads_as_the_same_rows_in_jsonl(tmp_path, kind, rows, kw):
+  """A `Dataset.save_to_disk` directory gives the problems the same rows give as a jsonl file
+  (nested DAPO messages and AIME's integer answers survive the arrow round trip)."""
+  disk = str(tmp_path / kind)
+  datasets.Dataset.from_list(rows).save_to_disk(disk)
+  from_disk = load_problems(kind, disk, **kw)
+  from_jsonl = load_problems(kind, _write(tmp_path, f"{kind}.jsonl", rows), **kw)
+  assert _without_uid(from_disk) == _without_uid(from_jsonl)
+  assert [p.uid for p in from_disk] == [f"{kind}:{i}" for i in range(len(rows))]
+
+
+def test_dataset_dict_needs_its_split(tmp_path):
+  disk = str(tmp_path / "gsm8k_dd")
+  datasets.DatasetDict(train=datasets.Dataset.from_list(GSM8K),
+                       test=datasets.Dataset.from_list(GSM8K[:1])).save_to_disk(disk)
+  _raises("gsm8k", disk, f"dataset {disk} has splits ['test', 'train']: name the one to read "
+                         "(task.split / task.eval_split)")
+  _raises("gsm8k", disk, f"dataset {disk} (split 'dev'): no split 'dev'; its splits are "
+                         "['test', 'train']", split="dev")
+  test = load_problems("gsm8k", disk, split="test")
+  assert [p.answer for p in test] == ["72"] and test[0].uid == "gsm8k_dd/test:0"
+  assert [p.answer for p in load_problems("gsm8k", disk, split="train")] == ["72", "1,200"]
+  # Field errors name the dataset, the split and the row.
+  bad = str(tmp_path / "bad_dd")
+  datasets.DatasetDict(test=datasets.Dataset.from_list(
+      [GSM8K[0], {"question": "q", "answer": None}])).save_to_disk(bad)
+  _raises("gsm8k", bad, f"gsm8k dataset {bad} (split 'test'), row 2: field 'answer' is null "
+                        "or missing", split="test")
+  _raises("gsm8k", bad, f"dataset {bad} (subset 'main'): a save_to_disk directory has no "
+                        "subsets; leave the subset empty", subset="main")
+
+
+def test_a_saved_dataset_and_a_file_are_one_split(tmp_path):
+  disk = str(tmp_path / "one")
+  datasets.Dataset.from_list(GSM8K, split="train").save_to_disk(disk)
+  assert len(load_problems("gsm8k", disk, split="train")) == 2   # the split it records
+  _raises("gsm8k", disk, f"dataset {disk} (split 'test'): the directory holds one Dataset "
+                         "(split train), not a DatasetDict; leave the split empty or name the "
+                         "recorded one", split="test")
+  path = _write(tmp_path, "gsm8k.jsonl", GSM8K)
+  _raises("gsm8k", path, f"data file {path}: a file is one split; leave the split and subset "
+                         "empty (got split 'train', subset '')", split="train")
+  empty = str(tmp_path / "empty")
+  datasets.Dataset.from_dict({"question": [], "answer": []}).save_to_disk(empty, num_shards=1)
+  _raises("gsm8k", empty, f"dataset {empty}: no rows (the split is empty)")
+
+
+def test_hub_layout_with_subset_and_split(tmp_path, monkeypatch):
+  """A hub repository's layout (GSM8K's: main/{train,test}-*.parquet named by the README's
+  `configs`), as a `--local-dir` download leaves it: read by `load_dataset` with subset and
+  split, the same call a hub id takes."""
+  monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+  repo = tmp_path / "gsm8k_repo"
+  (repo / "main").mkdir(parents=True)
+  pq.write_table(pa.Table.from_pylist(GSM8K), repo / "main" / "train-00000-of-00001.parquet")
+  pq.write_table(pa.Table.from_pylist(GSM8K[1:]), repo / "main" / "test-00000-of-00001.parquet")
+  (repo / "README.md").write_text(
+      "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n"
+      "    path: main/train-*\n  - split: test\n    path: main/test-*\n---\n")
+  test = load_problems("gsm8k", str(repo), subset="main", split="test")
+  assert [p.answer for p in test] == ["1,200"] and test[0].uid == "gsm8k_repo/main/test:0"
+  assert _without_uid(load_problems("gsm8k", str(repo), subset="main", split="train")) == \
+      _without_uid(load_problems("gsm8k", _write(tmp_path, "g.jsonl", GSM8K)))
+  _raises("gsm8k", str(repo), f"dataset {repo} (subset 'main') has splits ['test', 'train']: "
+                              "name the one to read (task.split / task.eval_split)",
+          subset="main")
+  with pytest.raises(DataFileError, match=re.escape(
+      f"dataset {repo} (subset 'socratic', split 'train'): BuilderConfig 'socratic' not "
+      "found. Available: ['main']")):
+    load_problems("gsm8k", str(repo), subset="socratic", split="train")
+
+
+def test_hub_id_missing_from_the_offline_cache_is_one_line(tmp_path, monkeypatch):
+  monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+  monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+  monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+  with pytest.raises(DataFileError) as e:
+    load_problems("gsm8k", "trm-jax-tests/no-such-dataset", subset="main", split="train")
+  msg = str(e.value)
+  assert "\n" not in msg
+  assert msg.startswith("dataset trm-jax-tests/no-such-dataset (subset 'main', split 'train'): ")
+  assert msg.endswith("(HF_DATASETS_OFFLINE is set: only the local cache is read)")
+  # A path shaped like a local file is a missing file, never a hub id.
+  with pytest.raises(FileNotFoundError, match="data/train.jsonl does not exist"):
+    load_problems("gsm8k", "data/train.jsonl")

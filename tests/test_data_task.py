@@ -182,3 +182,31 @@ def test_file_task_prompts_have_the_configured_width(tok, tmp_path):
   pb = task.prompts(task.batch(0, 2), 3)
   assert pb.tokens.shape == (6, 400)
   np.testing.assert_array_equal(pb.problem_ids, [0, 0, 0, 1, 1, 1])
+
+
+def test_held_out_split_of_a_dataset(tok, tmp_path):
+  """A DatasetDict's test split is the held-out set (task.eval_split, no eval_path); training
+  cycles through all of its train split and never draws a test problem."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  rows = _gsm8k_rows(7)
+  disk = str(tmp_path / "gsm8k")
+  datasets.DatasetDict(train=datasets.Dataset.from_list(rows[:5]),
+                       test=datasets.Dataset.from_list(rows[5:])).save_to_disk(disk)
+  kw = dict(name="gsm8k", path=disk, split="train", max_prompt_len=400, max_new_tokens=8)
+  task = Task(_task_config(eval_split="test", **kw), 0, tok, 30)
+  assert [p.answer for p in task.eval_problems(30)] == ["6", "7"]
+  assert [p.answer for p in task.batch(0, 5)] == ["1", "2", "3", "4", "5"]
+  assert task.batch(5, 5) == task.batch(0, 5)
+  # Without eval_split the held-out rules for one split apply: rows of `train` held out.
+  task = Task(_task_config(**kw), 0, tok, 2)
+  assert {p.uid for p in task.eval_problems(2)} == {f"gsm8k/train:{i}"
+                                                    for i in holdout_split(5, 2)[1]}
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"\[task.split, task.eval_split\]: task.eval_split='train' is the "
+                           "training split of task.path"):
+    Task(_task_config(eval_split="train", **kw), 0, tok, 2)
+  with pytest.raises(config_lib.ConfigError, match="task.eval_subset='main' selects within "
+                                                   "task.eval_path, which is empty"):
+    Task(_task_config(eval_subset="main", **kw), 0, tok, 2)
+  with pytest.raises(config_lib.ConfigError, match="the synthetic task reads no dataset"):
+    Task(_task_config(split="train"), 0, tok, 2)

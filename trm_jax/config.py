@@ -31,8 +31,8 @@ FILE_TASKS = ("gsm8k", "dapo_math", "aime")
 
 
 # The shipped configs: one copy, in the repository's top-level `configs/`. A wheel carries the
-# same files as `configs/` (pyproject.toml maps the directory there), so a shipped name
-# resolves with or without the repository.
+# same files as the package `trm_jax.configs` (pyproject.toml maps the directory there), so a
+# shipped name resolves with or without the repository.
 _PKG = os.path.dirname(os.path.abspath(__file__))
 _SHIPPED_DIRS = (os.path.join(_PKG, "configs"), os.path.join(os.path.dirname(_PKG), "configs"))
 
@@ -186,9 +186,13 @@ def validate_task(t: ml_collections.ConfigDict) -> None:
              ["task.name", "task.path", "task.eval_path", "task.eval_name"],
              "the synthetic task reads no files; leave task.path, task.eval_path and "
              "task.eval_name empty")
+    _require(not (t.subset or t.split or t.eval_subset or t.eval_split),
+             ["task.name", "task.subset", "task.split", "task.eval_subset", "task.eval_split"],
+             "the synthetic task reads no dataset; leave the subsets and splits empty")
     return
   _require(bool(t.path), ["task.name", "task.path"],
-           f"task.name={t.name!r} needs task.path (a local jsonl/json/parquet file)")
+           f"task.name={t.name!r} needs task.path (a local jsonl/json/parquet file, a "
+           "save_to_disk directory or a Hugging Face dataset id)")
   _require(t.max_prompt_len > 0 and t.max_new_tokens > 0,
            ["task.name", "task.max_prompt_len", "task.max_new_tokens"],
            f"task.name={t.name!r} needs task.max_prompt_len and task.max_new_tokens > 0 (only "
@@ -196,6 +200,15 @@ def validate_task(t: ml_collections.ConfigDict) -> None:
   _require(not t.eval_name or bool(t.eval_path), ["task.eval_name", "task.eval_path"],
            f"task.eval_name={t.eval_name!r} is the format of task.eval_path, which is empty "
            "(held-out rows of task.path have task.name's format)")
+  _require(not t.eval_subset or bool(t.eval_path), ["task.eval_subset", "task.eval_path"],
+           f"task.eval_subset={t.eval_subset!r} selects within task.eval_path, which is empty "
+           "(a held-out split of task.path is read with task.subset)")
+  # Held out from the same dataset, the evaluation split must be another one: the same split
+  # would evaluate on the problems training draws.
+  _require(bool(t.eval_path) or not t.eval_split or t.eval_split != t.split,
+           ["task.split", "task.eval_split"],
+           f"task.eval_split={t.eval_split!r} is the training split of task.path; name "
+           "another split, or leave task.eval_split empty to hold out rows of the training split")
 
 
 def validate(c: ml_collections.ConfigDict) -> None:

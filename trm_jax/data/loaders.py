@@ -1,7 +1,18 @@
-"""GSM8K, DAPO-Math-17k and AIME-style files (jsonl / json / parquet, local paths) -> `Problem`s.
+"""GSM8K, DAPO-Math-17k and AIME-style data -> `Problem`s, from files or Hugging Face datasets.
 
-Files are read directly: jsonl line by line with `json`, .json as one JSON array of objects (or
-as JSON lines), parquet with pyarrow. Nothing is downloaded or cached. Expected fields:
+A source (`task.path`, `task.eval_path`) is one of:
+  * a local file: jsonl read line by line with `json`, .json as one JSON array of objects (or
+    as JSON lines), parquet with pyarrow. A file is one split: no split or subset applies.
+  * a directory written by `datasets`' `save_to_disk`: a `Dataset`, or a `DatasetDict`, which
+    needs its split named (`task.split` / `task.eval_split`); read with `load_from_disk`.
+  * a hub id (`openai/gsm8k`) with its subset (`task.subset`, GSM8K's "main") and split, or a
+    directory of data files laid out as a hub repository (a `--local-dir` download): read with
+    `datasets.load_dataset`, which reads only its local cache under HF_DATASETS_OFFLINE=1.
+Which one a path is, is decided in one place (`_source_kind`): a file, a directory with
+`save_to_disk`'s markers, any other directory, or a name shaped like a hub id; any other path
+is a missing local file.
+
+Expected fields:
   * GSM8K: `question`, `answer` whose last line is `#### <n>` (the ground truth). The text before
     it, with the `<<48/2=24>>` calculator annotations removed, becomes `Problem.solution`.
   * DAPO-Math-17k (verl layout): `prompt` = list of {role, content} messages (or a plain string),
@@ -12,12 +23,13 @@ as JSON lines), parquet with pyarrow. Nothing is downloaded or cached. Expected 
 GSM8K and AIME questions get `instruction` appended (default: reason step by step, answer in
 \\boxed{}), since their files carry no instruction of their own.
 
-Bad data fails with one line (`DataFileError`, a ValueError) naming the file and the row: an
-empty file, a line that is not JSON, a field that is missing, null or of the wrong type, and an
-empty ground-truth answer (which no completion could ever match, so the row would only add
-zero-reward groups). Rows are named by their 1-based line for jsonl (and JSON-lines .json),
-their 1-based element for a .json array, and their 1-based row for parquet.
-`Problem.uid` is "<file name>:<0-based row>".
+Bad data fails with one line (`DataFileError`, a ValueError) naming the file or the dataset and
+split, and the row: an empty source, a line that is not JSON, a field that is missing, null or
+of the wrong type, and an empty ground-truth answer (which no completion could ever match, so
+the row would only add zero-reward groups). Rows are named by their 1-based line for jsonl (and
+JSON-lines .json), their 1-based element for a .json array, and their 1-based row for parquet
+and datasets. `Problem.uid` is "<file name>:<0-based row>" ("<name>/<split>:<row>" for a
+dataset split).
 """
 from __future__ import annotations
 
@@ -31,6 +43,11 @@ from trm_jax.data.problem import Problem
 
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 _FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+# What `save_to_disk` writes at the top of its directory: state.json for a Dataset,
+# dataset_dict.json for a DatasetDict (the two files `load_from_disk` itself looks for).
+_DISK_MARKERS = ("state.json", "dataset_dict.json")
+# A hub dataset id: `name` or `namespace/name` (the hub's repository-name characters).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 class DataFileError(ValueError):
@@ -41,9 +58,10 @@ class DataFileError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Row:
   fields: dict[str, Any]  # the row's object
-  file: str               # the file it came from
-  index: int              # 0-based row within the file (Problem.uid)
-  where: str              # "<file>, line 3" / "<file>, element 3" / "<file>, row 3" (1-based)
+  source: str             # "file <path>" / "dataset <name> (subset 'main', split 'train')"
+  name: str               # Problem.uid's prefix: the file's base name, or "<name>/<split>"
+  index: int              # 0-based row within the file or split (Problem.uid)
+  where: str              # "<source>, line 3" / ", element 3" / ", row 3" (1-based)
 
 
 def _jsonl_rows(path: str) -> Iterator[tuple[int, Any]]:
@@ -98,20 +116,96 @@ def _read_file(path: str, kind: str) -> list[Row]:
     if not isinstance(value, dict):
       raise DataFileError(f"{path}, {at}: expected a JSON object with named fields, got "
                           f"{type(value).__name__}")
-    rows.append(Row(fields=value, file=path, index=i, where=f"{path}, {at}"))
+    rows.append(Row(fields=value, source=f"file {path}", name=os.path.basename(path), index=i,
+                    where=f"file {path}, {at}"))
   return rows
 
 
-def read_rows(paths: str | Sequence[str]) -> list[Row]:
-  """Every row of local jsonl / json / parquet files, in order, each with its location."""
+def _source_kind(path: str) -> str:
+  """"file" | "disk" (save_to_disk) | "load_dataset" (hub id or data directory) | "missing".
+
+  The one place a path's kind is decided. A directory is a dataset: `save_to_disk`'s when it
+  holds its markers, else a directory of data files for `load_dataset`. A name that is no local
+  path but has a hub id's shape (no data-file extension, not starting with / . ~) is a hub id.
+  """
+  if os.path.isfile(path):
+    return "file"
+  if os.path.isdir(path):
+    if any(os.path.isfile(os.path.join(path, m)) for m in _DISK_MARKERS):
+      return "disk"
+    return "load_dataset"
+  if _HUB_ID.fullmatch(path) and os.path.splitext(path)[1].lower() not in _FORMATS:
+    return "load_dataset"
+  return "missing"
+
+
+def _dataset_label(path: str, subset: str, split: str) -> str:
+  details = [f"{k} {v!r}" for k, v in (("subset", subset), ("split", split)) if v]
+  return f"dataset {path}" + (f" ({', '.join(details)})" if details else "")
+
+
+def _read_dataset(path: str, kind: str, split: str, subset: str) -> list[Row]:
+  """Rows of one split of a `datasets` dataset (save_to_disk directory, hub id, data dir)."""
+  import datasets  # pylint: disable=g-import-not-at-top  (heavy; only datasets need it)
+  label = _dataset_label(path, subset, split)
+  try:
+    if kind == "disk":
+      if subset:
+        raise DataFileError(f"{label}: a save_to_disk directory has no subsets; leave the "
+                            "subset empty")
+      ds = datasets.load_from_disk(path)
+    else:
+      ds = datasets.load_dataset(path, subset or None, split=split or None)
+  except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+    if isinstance(e, DataFileError):
+      raise
+    # datasets' messages run over several lines; the first one says what went wrong.
+    msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    offline = (" (HF_DATASETS_OFFLINE is set: only the local cache is read)"
+               if kind == "load_dataset" and not os.path.isdir(path)
+               and datasets.config.HF_DATASETS_OFFLINE else "")
+    raise DataFileError(f"{label}: {msg}{offline}") from None
+  if isinstance(ds, datasets.DatasetDict):
+    if not split:
+      raise DataFileError(f"{label} has splits {sorted(ds)}: name the one to read "
+                          "(task.split / task.eval_split)")
+    if split not in ds:
+      raise DataFileError(f"{label}: no split {split!r}; its splits are {sorted(ds)}")
+    ds = ds[split]
+  elif split and kind == "disk" and str(ds.split or "") != split:
+    # A saved Dataset is one split; only the split it records (if any) may be asked for.
+    raise DataFileError(f"{label}: the directory holds one Dataset (split "
+                        f"{str(ds.split) if ds.split else 'not recorded'}), not a DatasetDict; "
+                        "leave the split empty or name the recorded one")
+  if not isinstance(ds, datasets.Dataset):
+    raise DataFileError(f"{label}: expected a Dataset, got {type(ds).__name__}")
+  values = ds.to_list()
+  if not values:
+    raise DataFileError(f"{label}: no rows (the split is empty)")
+  name = "/".join(x for x in (os.path.basename(os.path.normpath(path)), subset, split) if x)
+  return [Row(fields=v, source=label, name=name, index=i, where=f"{label}, row {i + 1}")
+          for i, v in enumerate(values)]
+
+
+def read_rows(paths: str | Sequence[str], *, split: str = "", subset: str = "") -> list[Row]:
+  """Every row of a source (module docstring) or of several local files, in order, each with
+  its location. `split` / `subset` select within a dataset; files have neither."""
   files = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
   if not files:
     raise ValueError("no data files given")
+  files = [os.fspath(f) for f in files]
+  kinds = [_source_kind(f) for f in files]
+  if len(files) == 1 and kinds[0] in ("disk", "load_dataset"):
+    return _read_dataset(files[0], kinds[0], split, subset)
   rows = []
-  for f in files:
-    f = os.fspath(f)
-    if not os.path.isfile(f):
+  for f, kind in zip(files, kinds):
+    if kind == "missing":
       raise FileNotFoundError(f"data file {f} does not exist")
+    if kind != "file":
+      raise DataFileError(f"{f}: a dataset directory is read on its own, not in a list of files")
+    if split or subset:
+      raise DataFileError(f"data file {f}: a file is one split; leave the split and subset "
+                          f"empty (got split {split!r}, subset {subset!r})")
     ext = os.path.splitext(f)[1].lower()
     if ext not in _FORMATS:
       raise DataFileError(f"data file {f}: unsupported extension {ext!r}; use one of "
@@ -128,8 +222,8 @@ def _require(rows: list[Row], kind: str, *candidates: str) -> str:
     if c in found:
       return c
   also = f" (also accepted: {list(candidates[1:])})" if len(candidates) > 1 else ""
-  files = ", ".join(dict.fromkeys(r.file for r in rows))
-  raise DataFileError(f"{kind} file {files}: missing column {candidates[0]!r}{also}; found "
+  sources = ", ".join(dict.fromkeys(r.source for r in rows))
+  raise DataFileError(f"{kind} {sources}: missing column {candidates[0]!r}{also}; found "
                       f"columns: {sorted(found)}")
 
 
@@ -140,9 +234,9 @@ def _describe(value: Any) -> str:
 
 def _text(row: Row, kind: str, name: str, value: Any) -> str:
   if value is None:
-    raise DataFileError(f"{kind} file {row.where}: field {name!r} is null or missing")
+    raise DataFileError(f"{kind} {row.where}: field {name!r} is null or missing")
   if not isinstance(value, str):
-    raise DataFileError(f"{kind} file {row.where}: field {name!r} is {_describe(value)}, "
+    raise DataFileError(f"{kind} {row.where}: field {name!r} is {_describe(value)}, "
                         "expected a string")
   return value
 
@@ -152,11 +246,11 @@ def _answer(row: Row, kind: str, name: str, value: Any) -> str:
   if isinstance(value, int) and not isinstance(value, bool):
     return str(value)
   if value is not None and not isinstance(value, str):
-    raise DataFileError(f"{kind} file {row.where}: field {name!r} is {_describe(value)}, "
+    raise DataFileError(f"{kind} {row.where}: field {name!r} is {_describe(value)}, "
                         "expected a string or an integer")
   text = _text(row, kind, name, value).strip()
   if not text:
-    raise DataFileError(f"{kind} file {row.where}: field {name!r} is an empty ground-truth "
+    raise DataFileError(f"{kind} {row.where}: field {name!r} is an empty ground-truth "
                         "answer (no completion could match it)")
   return text
 
@@ -166,13 +260,14 @@ def _with_instruction(question: str, instruction: Optional[str]) -> str:
 
 
 def _uid(row: Row) -> str:
-  return f"{os.path.basename(row.file)}:{row.index}"
+  return f"{row.name}:{row.index}"
 
 
 # ------------------------------------------------------------------------------ loaders
 def load_gsm8k(paths: str | Sequence[str], *,
-               instruction: Optional[str] = DEFAULT_INSTRUCTION) -> list[Problem]:
-  rows = read_rows(paths)
+               instruction: Optional[str] = DEFAULT_INSTRUCTION, split: str = "",
+               subset: str = "") -> list[Problem]:
+  rows = read_rows(paths, split=split, subset=subset)
   _require(rows, "gsm8k", "question")
   _require(rows, "gsm8k", "answer")
   out = []
@@ -180,10 +275,10 @@ def load_gsm8k(paths: str | Sequence[str], *,
     question = _text(row, "gsm8k", "question", row.fields.get("question"))
     text = _text(row, "gsm8k", "answer", row.fields.get("answer"))
     if "####" not in text:
-      raise DataFileError(f"gsm8k file {row.where}: field 'answer' has no '#### <n>' line")
+      raise DataFileError(f"gsm8k {row.where}: field 'answer' has no '#### <n>' line")
     worked, final = text.rsplit("####", 1)
     if not final.strip():
-      raise DataFileError(f"gsm8k file {row.where}: field 'answer' has an empty ground truth "
+      raise DataFileError(f"gsm8k {row.where}: field 'answer' has an empty ground truth "
                           "after '####' (no completion could match it)")
     solution = re.sub(r"<<[^>]*>>", "", text).strip()
     out.append(Problem(prompt=_with_instruction(question, instruction), answer=final.strip(),
@@ -197,13 +292,13 @@ def _dapo_messages(row: Row, prompt: Any) -> tuple[str, Optional[str]]:
   if isinstance(prompt, str):
     return prompt, None
   if not isinstance(prompt, list):
-    raise DataFileError(f"dapo_math file {row.where}: field 'prompt' is "
+    raise DataFileError(f"dapo_math {row.where}: field 'prompt' is "
                         f"{'null or missing' if prompt is None else _describe(prompt)}, "
                         "expected a string or a list of {role, content} messages")
   users, systems = [], []
   for k, m in enumerate(prompt):
     if not isinstance(m, dict):
-      raise DataFileError(f"dapo_math file {row.where}: field 'prompt' message {k} is "
+      raise DataFileError(f"dapo_math {row.where}: field 'prompt' message {k} is "
                           f"{_describe(m)}, expected {{role, content}}")
     content = _text(row, "dapo_math", f"prompt[{k}].content", m.get("content"))
     role = m.get("role")
@@ -212,19 +307,20 @@ def _dapo_messages(row: Row, prompt: Any) -> tuple[str, Optional[str]]:
     elif role == "system":
       systems.append(content)
   if not users:
-    raise DataFileError(f"dapo_math file {row.where}: field 'prompt' has no user message")
+    raise DataFileError(f"dapo_math {row.where}: field 'prompt' has no user message")
   return users[-1], (systems[0] if systems else None)
 
 
-def load_dapo_math(paths: str | Sequence[str]) -> list[Problem]:
-  rows = read_rows(paths)
+def load_dapo_math(paths: str | Sequence[str], *, split: str = "",
+                   subset: str = "") -> list[Problem]:
+  rows = read_rows(paths, split=split, subset=subset)
   _require(rows, "dapo_math", "prompt")
   _require(rows, "dapo_math", "reward_model")
   out = []
   for row in rows:
     reward_model = row.fields.get("reward_model")
     if not isinstance(reward_model, dict):
-      raise DataFileError(f"dapo_math file {row.where}: field 'reward_model' is "
+      raise DataFileError(f"dapo_math {row.where}: field 'reward_model' is "
                           f"{_describe(reward_model)}, expected {{ground_truth, style}}")
     answer = _answer(row, "dapo_math", "reward_model.ground_truth",
                      reward_model.get("ground_truth"))
@@ -235,8 +331,9 @@ def load_dapo_math(paths: str | Sequence[str]) -> list[Problem]:
 
 
 def load_aime(paths: str | Sequence[str], *,
-              instruction: Optional[str] = DEFAULT_INSTRUCTION) -> list[Problem]:
-  rows = read_rows(paths)
+              instruction: Optional[str] = DEFAULT_INSTRUCTION, split: str = "",
+              subset: str = "") -> list[Problem]:
+  rows = read_rows(paths, split=split, subset=subset)
   q_col = _require(rows, "aime", "problem", "question", "Problem")
   a_col = _require(rows, "aime", "answer", "Answer")
   out = []

@@ -8,9 +8,13 @@ sampler is compiled for.
   P, R = task.max_prompt_len, task.max_new_tokens
 
 Config keys read (the `task` section of configs/tiny_trm.py):
-  name            synthetic | gsm8k | dapo_math | aime: the training source and its file format.
-  path            the training file (file tasks).
-  eval_path       the held-out file; "" = hold out rows of `path` (below).
+  name            synthetic | gsm8k | dapo_math | aime: the training source and its format.
+  path            the training data (file tasks): a local file, a `save_to_disk` directory or
+                  a Hugging Face dataset id (data/loaders.py).
+  subset, split   the dataset's subset and the split trained on ("" = default / the only one).
+  eval_path       the held-out data; "" = a held-out split of `path`, or rows of it (below).
+  eval_subset, eval_split   the same for `eval_path`; with eval_path "", eval_split names
+                  another split of `path` (read with `subset`).
   eval_name       the format of `eval_path`; "" = same as `name` (a DAPO-Math training file
                   with an AIME evaluation file: name="dapo_math", eval_name="aime").
   synthetic       `SyntheticConfig` fields (synthetic task).
@@ -20,8 +24,10 @@ Config keys read (the `task` section of configs/tiny_trm.py):
 Held-out problems never reach training:
   * synthetic: evaluation draws stream `seed + 2`, training stream `seed` (warm-up SFT uses
     `seed + 1`): independent draws, a fresh test set from the same distribution.
-  * file task with eval_path: the evaluation file; training uses all of `path`.
-  * file task without eval_path: `eval_problems` rows of `path` are held out, chosen by a
+  * file task with eval_path: the evaluation data; training uses all of `path`'s split.
+  * file task with eval_split but no eval_path: that split of `path` (a dataset's own held-out
+    split, GSM8K's test); training uses all of `split`, which must be another one.
+  * file task with neither: `eval_problems` rows of `path` are held out, chosen by a
     permutation with the fixed seed HOLDOUT_SEED (not the run's seed, so every run, seed and
     sweep cell evaluates on the same rows; a larger eval_problems holds out a superset). A
     random rather than a trailing slice because files are often ordered by source or
@@ -101,10 +107,14 @@ class Task:
       return
     eval_name = t.eval_name or t.name
     self.max_prompt_len, self.max_new_tokens = t.max_prompt_len, t.max_new_tokens
-    problems = load_problems(t.name, t.path)
+    problems = load_problems(t.name, t.path, split=t.split, subset=t.subset)
     if t.eval_path:
       self.train_set = problems
-      self.eval_set = load_problems(eval_name, t.eval_path)
+      self.eval_set = load_problems(eval_name, t.eval_path, split=t.eval_split,
+                                    subset=t.eval_subset)
+    elif t.eval_split:   # a held-out split of the same dataset (validate_task: not `split`)
+      self.train_set = problems
+      self.eval_set = load_problems(t.name, t.path, split=t.eval_split, subset=t.subset)
     elif eval_problems:
       if len(problems) <= eval_problems:
         raise ConfigError(
