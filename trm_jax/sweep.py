@@ -3,6 +3,8 @@ r"""Batch experiments: a grid of config overrides, run as processes, resumable, 
   python -m trm_jax.sweep --config configs/tiny_trm.py --workdir /tmp/sweep \
       --grid optim.lr=1e-5,3e-5 --grid seed=0,1,2 --set total_steps=40 --parallel 2
   python -m trm_jax.sweep --workdir /tmp/sweep --aggregate   # CSV + plots only
+  python -m trm_jax.sweep --backend slurm --processes 8 --sbatch-arg=--partition=gpu \
+      --config configs/tiny_trm.py --workdir /shared/sweep --grid seed=0,1,2   # a job array
 
 Each cell is one `trm_jax.train.run` in its own process and its own workdir
 (`WORKDIR/cells/<name>`), so a crash in one cell loses nothing else and cells can run side by
@@ -15,6 +17,12 @@ Cells share one persistent XLA compilation cache (`WORKDIR/jax_cache`), so cells
 only in data (seeds) or in values that are arrays at run time compile once. The warm-up base
 model is built once, in this process, before any cell starts (parallel cells would otherwise
 race to build it).
+
+`--backend local` (the default) runs the cells as processes of this machine. `--backend slurm`
+submits the cells not done as one SLURM job array (one array task per cell, `--parallel` caps
+how many run at once) and returns; each task is one job step of `--processes` tasks, so a
+cell is one multi-process trainer. Re-running the command submits only the cells that are not
+done and not still queued; `--aggregate` collects whenever you like (`--wait` does both).
 
 Aggregation writes `results.csv`: one row per cell with its overrides, status, the reward
 summary (first/last 10 % means), the held-out evaluation, and the mean over steps and final
@@ -32,6 +40,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -198,11 +207,17 @@ def _env(workdir: str, threads: Optional[int]) -> dict:
   return env
 
 
-def _launch(spec: str, cell: Cell, workdir: str, env: dict) -> subprocess.Popen:
+def _write_cell(spec: str, cell: Cell, workdir: str) -> str:
+  """The cell's directory with its cell.json: all a cell process needs (`--run-cell DIR`)."""
   d = cell_dir(workdir, cell)
   os.makedirs(d, exist_ok=True)
   wd.write_json_atomic(os.path.join(d, "cell.json"),
-                     {"config": spec, "overrides": [list(kv) for kv in cell.overrides]})
+                       {"config": spec, "overrides": [list(kv) for kv in cell.overrides]})
+  return d
+
+
+def _launch(spec: str, cell: Cell, workdir: str, env: dict) -> subprocess.Popen:
+  d = _write_cell(spec, cell, workdir)
   log = open(os.path.join(d, "log.txt"), "a")
   return subprocess.Popen([sys.executable, "-m", "trm_jax.sweep", "--run-cell", d,
                            "--parent-pid", str(os.getpid())],
@@ -244,6 +259,15 @@ def _ensure_base_models(spec: str, cells: Sequence[Cell]) -> None:
       warmup.ensure_base_model(c, log=lambda m: print(m, flush=True))
 
 
+def plan_sweep(spec: str, cells: Sequence[Cell], workdir: str) -> None:
+  """Validates every cell (keys, types, cross-field checks) and records the plan, before any
+  cell runs or is submitted."""
+  for cell in cells:
+    cell_config(spec, cell.overrides)   # fail fast on a bad key or value
+  os.makedirs(workdir, exist_ok=True)
+  _check_plan(workdir, spec, cells)
+
+
 def run_sweep(spec: str, cells: Sequence[Cell], workdir: str, *, parallel: int = 1,
               threads_per_cell: Optional[int] = None, log=print) -> list[dict]:
   """Runs every cell not yet done, `parallel` at a time; returns the aggregated rows.
@@ -253,10 +277,7 @@ def run_sweep(spec: str, cells: Sequence[Cell], workdir: str, *, parallel: int =
   """
   if parallel < 1:
     raise ValueError(f"parallel={parallel}; must be >= 1")
-  for cell in cells:
-    cell_config(spec, cell.overrides)   # fail fast on a bad key or value
-  os.makedirs(workdir, exist_ok=True)
-  _check_plan(workdir, spec, cells)
+  plan_sweep(spec, cells, workdir)
   todo = [c for c in cells if not is_done(workdir, c)]
   log(f"[sweep] {len(cells)} cells, {len(cells) - len(todo)} done, {len(todo)} to run, "
       f"{parallel} at a time")
@@ -282,6 +303,105 @@ def run_sweep(spec: str, cells: Sequence[Cell], workdir: str, *, parallel: int =
   return rows
 
 
+# --- The SLURM backend ---------------------------------------------------------------------
+# The grid is one job array: array task i runs cell i of the submission's list, as one job step
+# of `processes` tasks (`srun --ntasks`), so a multi-process cell is one multi-host trainer
+# whose processes find each other from SLURM's variables (train.init_distributed). The sweep
+# process only submits; the cells write the same cell directories as the local backend, so
+# skipping done cells, resuming unfinished ones and `--aggregate` are the same code. Cells of
+# an earlier submission still queued or running are not submitted again.
+SLURM_DIR = "slurm"
+SLURM_JOBS = "jobs.json"   # {cell name: "ARRAYJOB_INDEX"} of the latest submission of each cell
+
+_BATCH_SCRIPT = """#!/bin/bash
+# Written by trm_jax.sweep: array task i runs line i+1 of {cells} as one job step.
+set -euo pipefail
+cell="$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" {cells})"
+exec srun --ntasks={processes} --kill-on-bad-exit=1 {python} -m trm_jax.sweep --run-cell "$cell" \\
+    >> "$cell/log.txt" 2>&1
+"""
+
+
+def _slurm(argv: Sequence[str], env: Optional[dict] = None) -> str:
+  try:
+    p = subprocess.run(list(argv), capture_output=True, text=True, env=env, timeout=120)
+  except FileNotFoundError:
+    raise config_lib.ConfigError(f"--backend slurm: {argv[0]} not found (SLURM's client "
+                                 "commands must be on PATH)") from None
+  if p.returncode != 0:
+    raise config_lib.ConfigError(f"{argv[0]} failed (exit {p.returncode}): "
+                                 f"{(p.stderr or p.stdout).strip()}")
+  return p.stdout
+
+
+def _queued(workdir: str, cells: Sequence[Cell]) -> dict:
+  """{cell name: array task id} of the cells whose latest submission is still in the queue."""
+  path = os.path.join(workdir, SLURM_DIR, SLURM_JOBS)
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    jobs = json.load(f)
+  mine = {c.name: jobs[c.name] for c in cells if c.name in jobs}
+  if not mine:
+    return {}
+  arrays = sorted({j.split("_")[0] for j in mine.values()})
+  # -r: one line per array task ("123_4"), pending ones included.
+  out = _slurm(["squeue", "-h", "-r", "-o", "%i", "--jobs", ",".join(arrays)])
+  live = set(out.split())
+  return {n: j for n, j in mine.items() if j in live}
+
+
+def submit_slurm(spec: str, cells: Sequence[Cell], workdir: str, *, processes: int = 1,
+                 parallel: int = 0, sbatch_args: Sequence[str] = (), wait: bool = False,
+                 env: Optional[dict] = None, log=print) -> Optional[str]:
+  """Submits the cells not done (and not queued) as one job array; returns its job id.
+
+  With `wait`, returns after every array task left the queue. `parallel` > 0 caps the
+  array tasks running at once (`--array=...%parallel`); `sbatch_args` go to sbatch as they
+  are (partition, time, gres, account).
+  """
+  if processes < 1:
+    raise ValueError(f"processes={processes}; must be >= 1")
+  queued = _queued(workdir, cells)
+  todo = [c for c in cells if not is_done(workdir, c) and c.name not in queued]
+  log(f"[sweep] {len(cells)} cells, {sum(is_done(workdir, c) for c in cells)} done, "
+      f"{len(queued)} queued, {len(todo)} to submit, {processes} process(es) each")
+  if not todo:
+    return None
+  _ensure_base_models(spec, todo)
+  d = os.path.join(workdir, SLURM_DIR)
+  os.makedirs(d, exist_ok=True)
+  stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+  listing = os.path.join(d, f"cells-{stamp}.txt")
+  for cell in todo:
+    _write_cell(spec, cell, workdir)
+  with open(listing, "w") as f:
+    f.write("".join(os.path.abspath(cell_dir(workdir, c)) + "\n" for c in todo))
+  script = os.path.join(d, f"array-{stamp}.sh")
+  with open(script, "w") as f:
+    f.write(_BATCH_SCRIPT.format(cells=shlex.quote(listing), processes=processes,
+                                 python=shlex.quote(sys.executable)))
+  array = f"0-{len(todo) - 1}" + (f"%{parallel}" if parallel else "")
+  argv = ["sbatch", "--parsable", f"--array={array}", f"--ntasks={processes}",
+          "--job-name=trm_sweep", f"--output={d}/%A_%a.out", *sbatch_args, script]
+  job = _slurm(argv, env=env).strip().split(";")[0]   # --parsable: "jobid[;cluster]"
+  path = os.path.join(d, SLURM_JOBS)
+  jobs = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      jobs = json.load(f)
+  jobs.update({c.name: f"{job}_{i}" for i, c in enumerate(todo)})
+  wd.write_json_atomic(path, jobs)
+  log(f"[sweep] submitted job array {job} ({len(todo)} tasks: {script})")
+  if wait:
+    # Polled rather than `sbatch --wait`, which exits non-zero when a task failed: a failed
+    # cell is a status in the CSV here, not a submission error.
+    while _slurm(["squeue", "-h", "-r", "-o", "%i", "--jobs", job]).strip():
+      time.sleep(1.0)
+    log(f"[sweep] job array {job} ended")
+  return job
+
+
 def _run_cell(d: str, parent_pid: Optional[int]) -> int:
   if parent_pid is not None:
     _die_with_parent(parent_pid)
@@ -294,6 +414,8 @@ def _run_cell(d: str, parent_pid: Optional[int]) -> int:
   logging.getLogger("absl").setLevel(logging.WARNING)
   from trm_jax import train  # pylint: disable=g-import-not-at-top
   try:
+    # A cell run as a multi-task SLURM step is one multi-process trainer (a no-op otherwise).
+    train.init_distributed()
     train.run(c, d, progress=False)
   except train.USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
@@ -439,6 +561,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--threads-per-cell", type=int, default=None,
                  help="XLA CPU threads per cell when --parallel > 1")
   p.add_argument("--aggregate", action="store_true", help="only rewrite results.csv + plots")
+  p.add_argument("--backend", choices=("local", "slurm"), default="local",
+                 help="local: cells as processes here; slurm: one job array (sbatch)")
+  p.add_argument("--processes", type=int, default=1,
+                 help="slurm: processes (srun tasks) per cell, one multi-process trainer each")
+  p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                 help="slurm: passed to sbatch as it is, e.g. --sbatch-arg=--partition=gpu")
+  p.add_argument("--wait", action="store_true",
+                 help="slurm: wait until the array ended, then aggregate")
   p.add_argument("--plot", default="reward,trm/reject_rate,trm/ppl_gap",
                  help="comma-separated metrics for WORKDIR/curves.png")
   p.add_argument("--run-cell", help=argparse.SUPPRESS)
@@ -454,8 +584,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--config is required to run a sweep")
       fixed = [("", {k: _literal(v) for k, _, v in (s.partition("=") for s in a.set)})]
       cells = product(fixed, *[parse_grid_arg(g) for g in a.grid])
-      run_sweep(a.config, cells, a.workdir, parallel=a.parallel,
-                threads_per_cell=a.threads_per_cell)
+      if a.backend == "slurm":
+        plan_sweep(a.config, cells, a.workdir)
+        job = submit_slurm(a.config, cells, a.workdir, processes=a.processes,
+                           parallel=a.parallel if a.parallel > 1 else 0,
+                           sbatch_args=a.sbatch_arg, wait=a.wait, env=_env(a.workdir, None))
+        if not a.wait:
+          if job:
+            print(f"[sweep] collect with: python -m trm_jax.sweep --workdir {a.workdir} "
+                  "--aggregate")
+          return 0
+      else:
+        run_sweep(a.config, cells, a.workdir, parallel=a.parallel,
+                  threads_per_cell=a.threads_per_cell)
     rows = aggregate(a.workdir)
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
