@@ -1,6 +1,6 @@
 r"""The TRM paper's run: Qwen3-8B on DAPO-Math-17k with TRM-max, evaluated avg@32 on AIME25.
 
-  python -m trm_jax.train --config configs/qwen3_8b_dapo_trm.py --workdir gs://.../qwen3_8b_trm \
+  python -m trm_jax.train --config configs/qwen3_8b_dapo_trm.py --workdir /mnt/gcs/qwen3_8b_trm \
       --config.model.path=/ckpt/Qwen3-8B --config.task.path=/data/dapo-math-17k.parquet \
       --config.task.eval_path=/data/aime25.jsonl
 

@@ -131,3 +131,34 @@ def test_prepare_creates_and_probes(tmp_path):
   assert os.path.isdir(path) and os.listdir(path) == []
   t0 = time.time()
   assert wd.prepare(path) == path and time.time() - t0 < 5
+
+
+def test_url_workdir_is_refused_before_any_work(tmp_path):
+  """A bare gs:// URL would become a local directory named "gs:"; the trainer says to mount."""
+  r = subprocess.run(
+      [sys.executable, "-m", "trm_jax.train", "--config", "tiny_trm", "--workdir",
+       "gs://bucket/run", "--config.total_steps=2"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
+  assert r.returncode != 0
+  assert r.stderr.strip().splitlines()[-1] == (
+      "error: --workdir gs://bucket/run is a URL; give a filesystem path every host sees (a "
+      "bucket mounted with gcsfuse, Filestore/NFS), e.g. /mnt/gcs/run")
+  assert not os.listdir(tmp_path)
+
+
+def test_metrics_writer_on_a_mounted_path(tmp_path):
+  """The pod README's workdir: a path under a mount point (here a local directory standing for
+  the gcsfuse mount) is prepared, locked, and written and read back by the metrics writer."""
+  from trm_jax.metrics import MetricsLogger, read_metrics  # pylint: disable=g-import-not-at-top
+  mount = tmp_path / "mnt" / "gcs"
+  mount.mkdir(parents=True)
+  path = wd.prepare(str(mount / "qwen3_8b_trm"))
+  lock = wd.WorkdirLock(path)
+  logger = MetricsLogger(path, total_steps=2, enable_progress=False)
+  logger.log(1, {"reward": 0.5})
+  logger.log(2, {"reward": 0.75})
+  logger.close()
+  lock.release()
+  assert [(r["step"], r["reward"]) for r in read_metrics(os.path.join(path, "metrics.jsonl"))] \
+      == [(1, 0.5), (2, 0.75)]

@@ -43,6 +43,11 @@ class WorkdirError(RuntimeError):
 
 def prepare(workdir: str) -> str:
   """Creates `workdir` if needed; one-line errors for a path that is a file or not writable."""
+  if "://" in workdir:
+    # os.makedirs would quietly create a local directory named "gs:"; the lock (flock) and the
+    # metrics writer need a filesystem, which on a pod is a mount every host sees.
+    raise WorkdirError(f"--workdir {workdir} is a URL; give a filesystem path every host sees "
+                       "(a bucket mounted with gcsfuse, Filestore/NFS), e.g. /mnt/gcs/run")
   path = os.path.abspath(os.path.expanduser(workdir))
   if os.path.exists(path) and not os.path.isdir(path):
     raise WorkdirError(f"--workdir {path} is a file, not a directory")
