@@ -1,8 +1,8 @@
 """Ahead-of-time TPU compiles of the trainer's programs (trm_jax.aot) without a TPU.
 
-  * the TPU kernel under a mesh (`kernels.tpu_partition`): on 4 simulated CPU devices through
-    the Mosaic interpreter, sharded over data rows and tensor kv heads, it equals the
-    unsharded kernel bitwise, outputs and gradients;
+  * the decoder's forward and gradient with the TPU kernel compile for a 4-chip v5e and v5p
+    slice under a plain `jax.set_mesh` (`kernels.attention` partitions the kernel itself;
+    its bitwise equality with the unsharded kernel is in test_kernels_tpu.py);
   * the loop-aware cost (`hlo_cost`): nested scans count every trip, an unreadable loop takes
     the caller's trip count and says so, the attention kernels' FLOPs are the analytic ones;
   * the CLI compiles a tiny SMD config (h2o cache, shadow-masked learner through the kernel)
@@ -21,13 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec
 
 from trm_jax import sharding as shd
-from trm_jax.kernels.flash_attention_tpu import TPUBlockSizes, flash_attention_tpu
+from trm_jax.kernels.flash_attention_tpu import flash_attention_tpu
 from trm_jax.kernels.tpu_aot import compile_for_tpu, libtpu_available
-from trm_jax.kernels.tpu_partition import flash_attention_tpu_partitioned, kernel_specs
-from trm_jax.kernels.visibility import NEVER_EVICTED, LayerVisibility
 from trm_jax.models import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,33 +32,44 @@ needs_libtpu = pytest.mark.skipif(
     not libtpu_available(), reason="libtpu not installed (pip install -e .[tpu]): no TPU compiler")
 
 
-def test_partitioned_kernel_equals_the_unsharded_kernel():
-  B, T, N, K, H = 4, 128, 4, 2, 128
-  rng = np.random.default_rng(0)
-  q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.float32)
-                 for s in ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)))
-  seg = jnp.asarray((np.arange(T)[None] < np.array([[128], [100], [64], [7]])).astype(np.int32))
-  ev = np.full((B, K, T), NEVER_EVICTED, np.int32)
-  ev[:, 1, 3:40] = 90          # kv head 1 evicts a band of keys at query 90
-  vis = LayerVisibility(segment_ids=seg, evicted_at=jnp.asarray(ev))
-  blocks = TPUBlockSizes(128, 128, 128, 128)
+@needs_libtpu
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
+def test_model_with_the_tpu_kernel_compiles_under_a_plain_mesh(topology):
+  """The decoder's forward and parameter gradient with attn_impl="pallas_tpu", jitted under a
+  plain `jax.set_mesh` on a 4-chip slice (data 2 x tensor 2): `kernels.attention` partitions
+  the Mosaic calls itself (XLA alone refuses: "Mosaic kernels cannot be automatically
+  partitioned")."""
+  from flax import nnx   # pylint: disable=g-import-not-at-top
+  from trm_jax.kernels import tpu_aot   # pylint: disable=g-import-not-at-top
+  from trm_jax.kernels.visibility import Visibility   # pylint: disable=g-import-not-at-top
+  from trm_jax.models import Decoder   # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=128, intermediate_size=256,
+                    num_layers=1, num_heads=4, num_kv_heads=2, head_dim=128)
+  mesh = shd.make_mesh({"data": 2, "tensor": 2}, tpu_aot.topology_devices(topology))
+  model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  sds = lambda tree: jax.tree.map(
+      lambda v, sh: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)), tree,
+      shd.state_shardings(tree, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable))
+  B, T = 8, 256
+  tokens = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=shd.batch_sharding(mesh, (B, T)))
+  ev = jax.ShapeDtypeStruct((B, cfg.num_layers, cfg.num_kv_heads, T), jnp.int32,
+                            sharding=shd.batch_sharding(mesh, (B, 1, 1, 1)))
 
-  def run(f):
-    out, pull = jax.vjp(lambda q, k, v: f(q, k, v, vis, block_sizes=blocks, interpret=True),
-                        q, k, v)
-    return (out, *pull(do))
+  def loss(params, rest, tokens, ev):
+    vis = Visibility(segment_ids=jnp.ones_like(tokens), evicted_at=ev)
+    logits = nnx.merge(graphdef, params, rest)(tokens, visibility=vis, attn_impl="pallas_tpu")
+    return jnp.mean(jax.nn.logsumexp(logits, -1))
 
-  want = jax.jit(lambda: run(flash_attention_tpu))()
-  # Rows over data, kv heads over tensor. Four devices: the Mosaic interpreter runs every
-  # device's kernel in lockstep, and eight simulated devices on two cores never meet.
-  mesh = shd.make_mesh({"data": 2, "fsdp": 1, "tensor": 2})
-  assert kernel_specs(mesh, B, K) == (PartitionSpec(("data", "fsdp"), None, "tensor", None),
-                                      PartitionSpec(("data", "fsdp"), None),
-                                      PartitionSpec(("data", "fsdp"), "tensor", None))
   with jax.set_mesh(mesh):
-    got = jax.jit(lambda: run(flash_attention_tpu_partitioned))()
-  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(sds(params), sds(rest), tokens,
+                                                       ev).compile()
+  hlo = compiled.as_text()
+  # forward, dq and dk/dv kernels of each layer, on each chip's 4 rows and 1 kv head
+  assert hlo.count('custom_call_target="tpu_custom_call"') == 3 * cfg.num_layers
+  # each chip holds a shard of the parameters, not all of them
+  full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) + B * T * 4
+  assert 0 < compiled.memory_analysis().argument_size_in_bytes < full
 
 
 @needs_libtpu

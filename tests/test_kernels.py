@@ -200,3 +200,41 @@ def test_triton_kernel_lowers_for_cuda_without_a_gpu():
   assert mlir.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 3
   for name in ("vis_flash_fwd", "vis_flash_bwd_dkdv", "vis_flash_bwd_dq"):
     assert f'name = "{name}"' in mlir, name
+
+
+def test_triton_kernel_exported_for_cuda_under_a_mesh_takes_per_device_blocks():
+  """Under an 8-device mesh (data 4 x tensor 2) `attention(impl="pallas")` exported for
+  "cuda" runs each Triton call on one device's block: 2 of the 8 rows and 1 of the 2 kv heads
+  (4 of the 8 query heads), never the global [8, 256, 8, 64] q that XLA would otherwise gather
+  onto every GPU."""
+  from jax import export
+  from jax.sharding import NamedSharding, PartitionSpec
+  from trm_jax import sharding as shd
+  B, T, N, K, H = 8, 256, 8, 2, 64
+  bf16 = jnp.bfloat16
+  mesh = shd.make_mesh({"data": 4, "tensor": 2})
+
+  def fwd_bwd(q, k, v, seg, ev, do):
+    f = lambda q, k, v: attention(q, k, v, LayerVisibility(seg, ev), impl="pallas")
+    out, pull = jax.vjp(f, q, k, v)
+    return out, *pull(do)
+
+  heads = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None, "tensor", None))
+  rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
+  ev_sh = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), "tensor", None))
+  args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d, sh in (
+      ((B, T, N, H), bf16, heads), ((B, T, K, H), bf16, heads), ((B, T, K, H), bf16, heads),
+      ((B, T), jnp.int32, rows), ((B, K, T), jnp.int32, ev_sh), ((B, T, N, H), bf16, heads))]
+  allow = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  with jax.set_mesh(mesh):
+    exported = export.export(jax.jit(fwd_bwd), platforms=("cuda",),
+                             disabled_checks=[allow])(*args)
+  mlir = exported.mlir_module()
+  assert exported.nr_devices == 8
+  calls = [l for l in mlir.splitlines() if "stablehlo.custom_call @__gpu$xla.gpu.triton" in l]
+  assert len(calls) == 3
+  for line in calls:
+    operands = line.rsplit(":", 1)[1]
+    # per-device q / o / do blocks [2, 256, 4, 64] and k / v [2, 256, 1, 64]
+    assert "tensor<2x256x4x64xbf16>" in operands and "tensor<2x256x1x64xbf16>" in operands, line
+    assert "8x256" not in operands, line

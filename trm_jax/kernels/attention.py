@@ -12,6 +12,11 @@
   impl="auto"                  "pallas" on GPU, "pallas_tpu" on TPU, "reference" elsewhere.
 
 `block_sizes` is a `BlockSizes` for the Triton impls and a `TPUBlockSizes` for the TPU ones.
+
+Under a mesh of more than one device (`jax.set_mesh`, as the trainer and `trm_jax.aot` run
+every program) both Pallas kernels run per device through `shard_map` over rows and kv heads
+(`kernels.partition`): XLA cannot partition a Pallas call itself. The reference is plain jnp
+and is partitioned by XLA.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import jax
 from trm_jax.kernels.attention_ref import attention_reference
 from trm_jax.kernels.flash_attention import BlockSizes, flash_attention
 from trm_jax.kernels.flash_attention_tpu import TPUBlockSizes, flash_attention_tpu
+from trm_jax.kernels.partition import partitioned
 from trm_jax.kernels.visibility import LayerVisibility
 
 IMPLS = ("auto", "reference", "pallas", "pallas_interpret", "pallas_tpu",
@@ -55,9 +61,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
   if block_sizes is not None and not isinstance(block_sizes, want):
     raise ValueError(f"attention impl={impl!r} takes block_sizes={want.__name__}(...), got "
                      f"{type(block_sizes).__name__}")
-  if tpu:
-    return flash_attention_tpu(q, k, v, vis, scale=scale,
-                               block_sizes=block_sizes or TPUBlockSizes(),
-                               interpret=impl == "pallas_tpu_interpret")
-  return flash_attention(q, k, v, vis, scale=scale, block_sizes=block_sizes or BlockSizes(),
-                         interpret=impl == "pallas_interpret")
+  kernel = flash_attention_tpu if tpu else flash_attention
+  return partitioned(kernel, q, k, v, vis, scale=scale, block_sizes=block_sizes or want(),
+                     interpret=impl.endswith("_interpret"))
