@@ -81,7 +81,7 @@ def learner_memory(methods, fixed: dict) -> dict:
   import jax.numpy as jnp
   import optax
   from flax import nnx
-  from trm_jax import step, warmup
+  from trm_jax import programs, warmup
   from trm_jax.data import Task, load_tokenizer
   from trm_jax.models import from_pretrained
   from trm_jax.rl.learner import LearnerBatch, make_learner
@@ -96,7 +96,7 @@ def learner_memory(methods, fixed: dict) -> dict:
     P, R = task.max_prompt_len, task.max_new_tokens
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optax.adamw(1e-4)
-    _, update = make_learner(graphdef, tx, step.learner_config(c, R), response_start=P)
+    _, update = make_learner(graphdef, tx, programs.learner_config(c, R), response_start=P)
     B, T, cfg = c.rl.batch_size, P + R, model.config
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     batch = LearnerBatch(

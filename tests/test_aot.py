@@ -156,10 +156,10 @@ def test_disaggregated_sampler_gets_its_devices_and_a_copy_in_its_dtype():
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128)
   devices = tpu_aot.topology_devices("v5e:2x2")
   s = aot.build(c, cfg.to_hf(), devices)
-  roll_mesh = s.programs["rollout"][4]
+  roll_mesh = s.programs["rollout"].mesh
   assert [d.id for d in roll_mesh.devices.flat] == [devices[0].id]
   assert sorted(d.id for d in s.mesh.devices.flat) == sorted(d.id for d in devices[1:])
-  params = s.programs["update"][1][0]
+  params = s.programs["update"].args[0]
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
   assert s.sync == {"bytes_per_rollout": 2 * n, "bytes_per_sampler_device": 2 * n,

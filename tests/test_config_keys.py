@@ -12,7 +12,7 @@ import pytest
 from ml_collections import ConfigDict
 
 from trm_jax import config as config_lib
-from trm_jax import step, train
+from trm_jax import programs, train
 
 pytestmark = pytest.mark.slow
 
@@ -89,11 +89,11 @@ def test_every_config_key_is_read(tmp_path, monkeypatch, shared_run):
   # Branches one run does not take: the settings of the other objectives and cache policies.
   for objective in ("ppo_clip", "tis"):
     c.rl.objective = objective
-    step.learner_config(c, max_len=8)
+    programs.learner_config(c, max_len=8)
   c.rollout.cache.ratio = 0.5
   for policy in ("snapkv", "h2o", "recent", "random"):
     c.rollout.cache.policy = policy
-    step.cache_config(c)
+    programs.cache_config(c)
 
   unread = sorted(keys - reads.read)
   assert not unread, f"config keys no code reads: {unread}"

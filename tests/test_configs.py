@@ -15,7 +15,7 @@ from trm_jax import config as config_lib
 from trm_jax.kernels import NEVER_EVICTED
 from trm_jax.models import Decoder, ModelConfig
 from trm_jax.rl.learner import LearnerBatch, make_learner
-from trm_jax import step
+from trm_jax import programs, step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs"))
@@ -57,8 +57,8 @@ def test_gsm8k_config_names_the_hub_dataset():
 def test_shipped_configs_validate(name):
   c = _with_data_paths(_load(name))
   config_lib.validate(c)
-  step.learner_config(c, max_len=c.task.max_new_tokens or 64)
-  step.cache_config(c)
+  programs.learner_config(c, max_len=c.task.max_new_tokens or 64)
+  programs.cache_config(c)
 
 
 @pytest.mark.parametrize("name,hf", [("qwen3_8b_dapo_trm.py", QWEN3_8B),
@@ -74,9 +74,9 @@ def test_paper_configs_trace_with_abstract_shapes(name, hf):
   graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
   n_params = sum(x.size for x in jax.tree.leaves(params))
   assert n_params > 3e9, n_params     # 4B / 8B class models
-  tx = step.make_optimizer(c)
+  tx = programs.make_optimizer(c)
   opt_state = jax.eval_shape(tx.init, params)
-  lcfg = step.learner_config(c, max_len=R)
+  lcfg = programs.learner_config(c, max_len=R)
   score, update = make_learner(graphdef, tx, lcfg, response_start=P)
   B, T = c.rl.batch_size // c.rl.num_minibatches, P + R
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)

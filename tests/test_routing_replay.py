@@ -200,6 +200,9 @@ def test_routing_replay_needs_an_moe_model():
 
   class _Task:
     max_new_tokens, max_prompt_len = 4, 4
+
+    def eval_problems(self, n):
+      return [None] * n
   mesh, _ = train.make_mesh(c)
   with pytest.raises(config_lib.ConfigError) as e:
     step_lib.make_context(c, mesh, make_test_model(), None, _Task())

@@ -3,18 +3,23 @@ r"""Ahead-of-time compile of a config's training programs for a TPU slice, on a 
   pip install -e '.[tpu]'
   python -m trm_jax.aot --config configs/qwen3_8b_dapo_trm.py --topology v5p:4x4x4 \
       [--model Qwen3-8B | --model /ckpt/Qwen3-8B | --model path/to/config.json] \
-      [--programs rollout,score,update] [--out aot.json] [--config.rl.num_microbatches=4 ...]
+      [--programs rollout,score,update,eval_greedy] [--out aot.json] [--config.rl.num_microbatches=4 ...]
 
 Builds the config's mesh (`config.mesh`) over the devices of a named TPU topology (libtpu's
 `jax.experimental.topologies`: v4, v5e, v5p, v6e) and compiles, through the real XLA:TPU and
-Mosaic compilers, the three programs one RL step runs, at the config's shapes and shardings,
-with abstract parameters (nothing is allocated, nothing runs):
+Mosaic compilers, the programs the trainer runs for the config, at its shapes and shardings,
+with abstract parameters (nothing is allocated, nothing runs). They are the trainer's own:
+`programs.build` makes them for `step.make_context` and here alike, and this tool substitutes
+only the topology's devices and abstract arrays (as MaxText's train_compile does):
 
-  rollout  the sampler (`rollout.generate_from_state`: prefill, then the decode loop with the
-           config's KV-cache policy), once per step over rl.batch_size rows;
-  score    the learner's scoring pass (`rl.learner.make_learner`), over the whole batch;
-  update   the learner's update (microbatch scan, optimizer, SMD teacher when smd.mode is
-           "smd"), rl.num_minibatches * rl.num_epochs times per step.
+  rollout        the sampler (prefill, then the decode loop with the config's KV-cache
+                 policy, routing record, top-k log-probs), once per step over rl.batch_size
+                 rows, on the sampler's own devices with mesh.rollout_devices;
+  score          the learner's scoring pass over the whole batch (twice with rl.kl_beta);
+  update         the learner's update (microbatch scan, optimizer, SMD teacher, routing
+                 replay), rl.num_minibatches * rl.num_epochs times per step;
+  eval_*         the held-out evaluations (greedy, sampled with eval_samples, and under the
+                 rollout's cache policy), once per evaluation.
 
 For each program it prints a progress line and records, per device (per chip; v4 exposes two
 devices per chip, each with half the chip): XLA's `memory_analysis()` (arguments, outputs,
@@ -24,8 +29,9 @@ the minibatch updates), their total against the chip's HBM, FLOPs and bytes acce
 loops counted per trip (`trm_jax.hlo_cost`; XLA's own `cost_analysis()` counts a loop body
 once and is kept beside them), and a roofline lower bound on its time,
 max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth), from the public chip figures in
-`kernels.tpu_aot.CHIPS`. The step bound sums the programs times their calls per step; the
-sampler's bound assumes every row runs to task.max_new_tokens (the decode loop's trip count).
+`kernels.tpu_aot.CHIPS`. The step bound sums the step's programs times their calls per step
+(the evaluation's bound likewise, per evaluation); a sampler's bound assumes every row runs to
+task.max_new_tokens (the decode loop's longest trip count).
 
 A program that does not fit (XLA refuses it, or it plus the resident state exceeds HBM) makes
 the tool exit with status 1 after naming the knobs that change that program's memory.
@@ -33,8 +39,8 @@ the tool exit with status 1 after naming the knobs that change that program's me
 The model: `--model` (a published name in KNOWN_MODELS, a checkpoint directory or a
 config.json), else config.model.path's config.json, else a published model named by the config
 file (qwen3_8b_* -> Qwen3-8B), else the warm-up base model in warmup.cache_dir when built.
-config.model.attn_impl="auto" resolves as on a TPU host (the Pallas TPU kernel); the kernel
-runs under `shard_map` on each chip's rows and kv heads (`kernels.tpu_partition`).
+config.model.attn_impl="auto" resolves as on a TPU host (the Pallas TPU kernel), which
+partitions itself over each chip's rows and kv heads (`kernels.partition`).
 """
 from __future__ import annotations
 
@@ -54,23 +60,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")   # the host backend; TPUs come fr
 import jax                                      # noqa: E402
 import jax.numpy as jnp                         # noqa: E402
 import ml_collections                           # noqa: E402
-from flax import nnx                            # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from trm_jax import config as config_lib        # noqa: E402
 from trm_jax import hlo_cost                    # noqa: E402
+from trm_jax import programs as programs_lib    # noqa: E402
 from trm_jax import sharding as shd             # noqa: E402
-from trm_jax import step as step_lib            # noqa: E402
 from trm_jax.config import FILE_TASKS, ConfigError  # noqa: E402
 from trm_jax.kernels import tpu_aot             # noqa: E402
 from trm_jax.kernels.attention import resolve_impl  # noqa: E402
-from trm_jax.kernels.tpu_partition import partitioned_in_attention  # noqa: E402
 from trm_jax.models import Decoder, ModelConfig  # noqa: E402
-from trm_jax.rl.learner import LearnerBatch, make_learner  # noqa: E402
-from trm_jax.rollout import generate_from_state, sampler_graphdef, sampling_config  # noqa: E402
+from trm_jax.programs import device_bytes       # noqa: E402
 
 GiB = 2**30
-PROGRAMS = ("rollout", "score", "update")
 
 # Architecture fields of the published config.json files the paper configs train.
 _QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_attention_heads=32,
@@ -169,16 +170,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
 # ------------------------------------------------------------------------------------------
 # Abstract train state and programs
 # ------------------------------------------------------------------------------------------
-def _sds(x, sharding) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-
-def device_bytes(tree) -> int:
-  """Bytes one device holds of a pytree of sharded ShapeDtypeStructs."""
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(tree) if x is not None)
-
-
 def meshes(c: ml_collections.ConfigDict, devices: Sequence):
   """(learner mesh, sampler mesh) as the trainer builds them (`train.make_mesh`): with
   mesh.rollout_devices = n > 0 the sampler gets the first n devices as a data-parallel mesh
@@ -201,117 +192,40 @@ def meshes(c: ml_collections.ConfigDict, devices: Sequence):
 
 @dataclasses.dataclass
 class Setup:
-  """Everything the programs are lowered with (abstract, sharded on the topology's mesh)."""
+  """The trainer's programs over abstract state on the topology's meshes."""
   mesh: jax.sharding.Mesh
   mcfg: ModelConfig
   P: int
   R: int
-  impl: str                 # resolved attention impl
-  programs: dict            # name -> (jitted fn, abstract args, resident tree, calls per step,
-                            #   mesh it runs on)
-  sync: Optional[dict] = None   # disaggregated sampler: the parameter copy per rollout
+  impl: str                       # resolved attention impl
+  programs: programs_lib.Programs
+  sync: Optional[dict] = None     # disaggregated sampler: the parameter copy per rollout
 
 
 def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence) -> Setup:
-  """The trainer's programs (`step.make_context`, `step.rl_step`) over abstract state."""
+  """`programs.build` (what `step.make_context` builds for the trainer) over an abstract
+  model sharded on the topology's devices. Only the platform differs from a TPU host:
+  attn_impl="auto" resolves as it would there."""
   mesh, sampler_mesh = meshes(c, devices)
   P, R = task_lengths(c)
-  T = P + R
-  impl = resolve_impl(c.model.attn_impl, "tpu")
+  c = ml_collections.ConfigDict(c.to_dict())
+  c.model.attn_impl = impl = resolve_impl(c.model.attn_impl, "tpu")
   try:
-    mcfg = ModelConfig.from_hf(hf, dtype=step_lib.DTYPES[c.model.dtype], remat=c.model.remat)
+    mcfg = ModelConfig.from_hf(hf, dtype=programs_lib.DTYPES[c.model.dtype],
+                               remat=c.model.remat)
   except ValueError as e:   # an unsupported or incomplete config.json: the user's input
     raise ConfigError(str(e)) from e
-
-  # Model, parameters sharded by their logical axes (as hf_io.from_pretrained places them).
-  model = nnx.eval_shape(lambda: Decoder(mcfg, rngs=nnx.Rngs(0)))
-  state = nnx.state(model)
-  nnx.update(model, jax.tree.map(lambda v, s: _sds(v.get_value(), s), state,
-                                 shd.state_shardings(state, mesh),
-                                 is_leaf=lambda x: isinstance(x, nnx.Variable)))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-  # Optimizer and learner, as step.make_context / init_learner_state build them.
-  tx = step_lib.make_optimizer(c)
-  param_sh = jax.tree.map(lambda x: x.sharding, params)
-  opt_sh = shd.opt_state_shardings(tx, params, mesh)
-  opt_state = jax.tree.map(_sds, jax.eval_shape(tx.init, params), opt_sh)
-  lcfg = dataclasses.replace(step_lib.learner_config(c, max_len=R), attn_impl=impl)
-  score, update = make_learner(graphdef, tx, lcfg, response_start=P,
-                               state_shardings=(param_sh, opt_sh))
-
-  # Sampler, as step.make_context configures it and step.sample calls it.
-  r = c.rollout
-  roll = sampling_config(
-      mcfg, max_new_tokens=R, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-      keep_full_logprobs=r.keep_full_logprobs, keep_topk_logprobs=r.keep_topk_logprobs,
-      logit_noise=r.logit_noise, router_noise_scale=r.router_noise)
-  roll_graphdef = sampler_graphdef(model, step_lib.DTYPES[r.dtype])
-  cache = step_lib.cache_config(c)
-
-  def rollout(state, prompt_ids, prompt_lengths, key):
-    return generate_from_state(roll_graphdef, state, prompt_ids, prompt_lengths, key=key,
-                               sampling_config=roll, cache_config=cache, attn_impl=impl)
-
-  def per_row(shape, dtype, on=mesh):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=shd.batch_sharding(on, shape))
-
-  # The sampler reads the parameters where it runs: the learner's arrays when colocated, a
-  # copy on its own devices when disaggregated (step.dispatch_rollout).
-  # Parameters in the sampler's dtype (step.narrow): what the stale versions are kept as and
-  # what step.to_sampler sends a disaggregated sampler.
-  to = step_lib.DTYPES[r.dtype]
-  narrow = lambda x, sh: jax.ShapeDtypeStruct(x.shape, step_lib.narrowed(x.dtype, to),
-                                              sharding=sh)
-  roll_state = nnx.merge_state(params, rest)
+  model = programs_lib.abstract_model(Decoder, mcfg, mesh)
+  progs = programs_lib.build(c, model, mesh, None if sampler_mesh is mesh else sampler_mesh,
+                             programs_lib.Sizes(P=P, R=R, eval_problems=c.eval_problems))
   sync = None
-  if sampler_mesh is not mesh:
-    is_var = lambda x: isinstance(x, nnx.Variable)
-    sent = jax.tree.map(lambda v, sh: v.replace(narrow(v.get_value(), sh)), params,
-                        shd.state_shardings(params, sampler_mesh), is_leaf=is_var)
-    roll_state = nnx.merge_state(sent, jax.tree.map(
-        lambda v, sh: v.replace(_sds(v.get_value(), sh)), rest,
-        shd.state_shardings(rest, sampler_mesh), is_leaf=is_var))
+  if progs.sent_params is not None:
+    sent = progs.sent_params
     sync = {"bytes_per_rollout": sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                                      for x in jax.tree.leaves(sent)),
-            "bytes_per_sampler_device": device_bytes(sent), "dtype": r.dtype,
+            "bytes_per_sampler_device": device_bytes(sent), "dtype": c.rollout.dtype,
             "sampler_devices": int(sampler_mesh.devices.size)}
-  replicated = NamedSharding(sampler_mesh, PartitionSpec())
-  B = c.rl.batch_size
-  roll_args = (roll_state, per_row((B, P), jnp.int32, sampler_mesh),
-               jax.ShapeDtypeStruct((B,), jnp.int32, sharding=replicated),
-               _sds(jax.eval_shape(lambda: jax.random.key(0)), replicated))
-
-  def batch(n: int) -> LearnerBatch:
-    """The learner batch of n rows that step.rl_step builds from a rollout."""
-    f32 = lambda *s: per_row(s, jnp.float32)
-    k = r.keep_topk_logprobs
-    return LearnerBatch(
-        tokens=per_row((n, T), jnp.int32), segment_ids=per_row((n, T), jnp.int32),
-        response_mask=f32(n, T), logp_roll=f32(n, T), advantages=f32(n), logp_old=f32(n, T),
-        token_weights=f32(n, T),
-        evicted_at=(per_row((n, mcfg.num_layers, mcfg.num_kv_heads, T), jnp.int32)
-                    if lcfg.mode == "smd" else None),
-        roll_logp_full=f32(n, T, mcfg.vocab_size) if r.keep_full_logprobs else None,
-        roll_topk_logp=f32(n, T, k) if k else None,
-        roll_topk_ids=per_row((n, T, k), jnp.int32) if k else None,
-        logp_ref=f32(n, T) if lcfg.kl_beta > 0 else None)
-
-  full, mb = batch(B), batch(B // c.rl.num_minibatches)
-  # Parameter copies the learner's devices hold besides params and opt_state: the frozen
-  # reference policy (rl.kl_beta > 0) and the rl.staleness older versions (step.TrainState).
-  stale = jax.tree.map(lambda x: narrow(x, x.sharding), params)
-  extra = [params] * (lcfg.kl_beta > 0) + [stale] * int(c.rl.get("staleness", 0))
-  learner_resident = (opt_state, extra)
-  programs = {
-      # Disaggregated, the sampler's devices hold only what the program takes.
-      "rollout": (jax.jit(rollout), roll_args,
-                  learner_resident if sampler_mesh is mesh else (), 1, sampler_mesh),
-      "score": (score, (params, rest, full), learner_resident, 1 + (lcfg.kl_beta > 0), mesh),
-      "update": (update, (params, opt_state, rest, mb), (full, extra),
-                 c.rl.num_minibatches * c.rl.num_epochs, mesh),
-  }
-  return Setup(mesh=mesh, mcfg=mcfg, P=P, R=R, impl=impl, programs=programs, sync=sync)
+  return Setup(mesh=mesh, mcfg=mcfg, P=P, R=R, impl=impl, programs=progs, sync=sync)
 
 
 # ------------------------------------------------------------------------------------------
@@ -320,21 +234,21 @@ def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence) -> Setup:
 _OOM = re.compile(r"(?:required for HLO temporaries \(|Used )([\d.]+)([KMGT])")
 
 
-def measure(name: str, fn, args, resident, calls: int, *, mesh, chip: tpu_aot.ChipSpec,
-            devices_per_chip: int, default_trips: Optional[int],
+def measure(program: programs_lib.Program, *, chip: tpu_aot.ChipSpec, devices_per_chip: int,
             hlo_dir: str = "") -> dict:
   """Compiles one program and returns its row of the report."""
+  name = program.name
   hbm = chip.hbm_bytes // devices_per_chip
   peak = chip.peak_bf16_flops / devices_per_chip
   bw = chip.hbm_bytes_per_s / devices_per_chip
-  row = {"program": name, "calls_per_step": calls, "hbm_bytes": hbm,
-         "resident_bytes": device_bytes(resident)}
+  row = {"program": name, "calls_per_step": program.calls, "per": program.per,
+         "hbm_bytes": hbm, "resident_bytes": device_bytes(program.resident),
+         "devices": int(program.mesh.devices.size)}
   t0 = time.time()
   try:
-    with jax.set_mesh(mesh), partitioned_in_attention():
-      lowered = fn.lower(*args)
-      row["lower_s"] = round(time.time() - t0, 1)
-      compiled = lowered.compile()
+    lowered = program.lower()
+    row["lower_s"] = round(time.time() - t0, 1)
+    compiled = lowered.compile()
   except Exception as e:  # pylint: disable=broad-except
     msg = str(e)
     if "RESOURCE_EXHAUSTED" not in msg:
@@ -364,7 +278,7 @@ def measure(name: str, fn, args, resident, calls: int, *, mesh, chip: tpu_aot.Ch
     os.makedirs(hlo_dir, exist_ok=True)
     with open(os.path.join(hlo_dir, f"{name}.hlo.txt"), "w") as f:
       f.write(text)
-  cost = hlo_cost.hlo_text_cost(text, default_trips=default_trips, xla=xla)
+  cost = hlo_cost.hlo_text_cost(text, default_trips=program.loop_trips, xla=xla)
   row.update(flops=cost["flops"], bytes_accessed=cost["bytes_accessed"],
              kernel_flops=cost["kernel_flops"], xla_flops=cost["xla_flops"],
              xla_bytes_accessed=cost["xla_bytes"], loops=cost["loops"])
@@ -375,13 +289,11 @@ def measure(name: str, fn, args, resident, calls: int, *, mesh, chip: tpu_aot.Ch
 
 
 def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
-                   programs: Sequence[str] = PROGRAMS, hlo_dir: str = "",
+                   programs: Optional[Sequence[str]] = None, hlo_dir: str = "",
                    log: Callable[[str], None] = print) -> dict:
-  """Compiles `programs` of config `c` for `topology`; returns the report (see main)."""
+  """Compiles `programs` (default: every program the trainer runs for `c`) for `topology`;
+  returns the report (see main)."""
   validate(c)
-  unknown = set(programs) - set(PROGRAMS)
-  if unknown:
-    raise ConfigError(f"unknown programs {sorted(unknown)}; expected some of {PROGRAMS}")
   chip = tpu_aot.chip_spec(topology)
   try:
     devices = tpu_aot.topology_devices(topology)
@@ -390,34 +302,39 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
   per_chip = max(1, len(devices) // tpu_aot.topology_chips(topology))
   t0 = time.time()
   s = build(c, hf, devices)
+  names = tuple(s.programs.programs)
+  unknown = [p for p in programs or () if p not in names]
+  if unknown:
+    raise ConfigError(f"unknown programs {unknown}; this config's trainer runs {names}")
   log(f"[aot] {topology}: {len(devices)} devices, mesh {dict(s.mesh.shape)}; model "
       f"L={s.mcfg.num_layers} D={s.mcfg.hidden_size} V={s.mcfg.vocab_size}; P={s.P} R={s.R}; "
-      f"attention {s.impl}")
+      f"attention {s.impl}; programs {', '.join(names)}")
   if s.sync:
     log(f"[aot] sampler on {s.sync['sampler_devices']} devices of its own: each rollout copies "
         f"{s.sync['bytes_per_rollout'] / GiB:.2f} GiB of {s.sync['dtype']} parameters "
         f"({s.sync['bytes_per_sampler_device'] / GiB:.2f} GiB per sampler device)")
   rows = []
-  for name in programs:
-    fn, args, resident, calls, mesh = s.programs[name]
+  for name in programs or names:
     log(f"[aot] {name}: compiling ...")
-    row = measure(name, fn, args, resident, calls, mesh=mesh, chip=chip,
-                  devices_per_chip=per_chip, hlo_dir=hlo_dir,
-                  default_trips=s.R - 1 if name == "rollout" else None)
+    row = measure(s.programs[name], chip=chip, devices_per_chip=per_chip, hlo_dir=hlo_dir)
     log("[aot] " + describe(row))
     rows.append(row)
   fit = all(r["fits"] for r in rows)
-  step_s = sum(r["roofline_s"] * r["calls_per_step"] for r in rows) if fit else None
+
+  def roofline(per: str):
+    return (sum(r["roofline_s"] * r["calls_per_step"] for r in rows if r["per"] == per)
+            if fit and any(r["per"] == per for r in rows) else None)
   return {
-      "what": "per-device memory and loop-aware cost of the RL step's programs, compiled "
-              "ahead of time for a TPU topology (trm_jax.aot)",
+      "what": "per-device memory and loop-aware cost of the trainer's programs "
+              "(programs.build), compiled ahead of time for a TPU topology (trm_jax.aot)",
       "topology": topology, "devices": len(devices), "devices_per_chip": per_chip,
       "chip": dataclasses.asdict(chip), "mesh": dict(s.mesh.shape),
       "model": dataclasses.asdict(s.mcfg), "P": s.P, "R": s.R, "attn_impl": s.impl,
       "config": json.loads(c.to_json_best_effort()),
       "jax_version": jax.__version__, "libtpu_version": _libtpu_version(),
-      "programs": rows, "fits": fit, "step_roofline_s": step_s, "sync": s.sync,
-      "sampler_mesh": dict(s.programs["rollout"][4].shape),
+      "programs": rows, "fits": fit, "step_roofline_s": roofline("step"),
+      "evaluation_roofline_s": roofline("evaluation"), "sync": s.sync,
+      "sampler_mesh": dict(s.programs["rollout"].mesh.shape),
       "wall_s": round(time.time() - t0, 1)}
 
 
@@ -432,7 +349,7 @@ def describe(row: dict) -> str:
           f"{row['temp_bytes'] / GiB:.2f}, code {row['code_bytes'] / GiB:.2f}, resident "
           f"{row['resident_bytes'] / GiB:.2f}); {row['flops'] / 1e12:.1f} TFLOP, "
           f"{row['bytes_accessed'] / 1e9:.1f} GB accessed -> roofline {row['roofline_s']:.3g} "
-          f"s ({row['bound']}-bound) x {row['calls_per_step']} per step; compiled in "
+          f"s ({row['bound']}-bound) x {row['calls_per_step']} per {row['per']}; compiled in "
           f"{row['compile_s']}s, host peak {row['host_peak_rss_bytes'] / GiB:.1f} GiB")
 
 
@@ -456,7 +373,8 @@ def main(argv: Sequence[str]) -> int:
   topo = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x4", flag_values=fv)
   model = flags.DEFINE_string("model", "", f"{' | '.join(KNOWN_MODELS)} | checkpoint dir | "
                               "config.json (default: see the module docstring)", flag_values=fv)
-  progs = flags.DEFINE_list("programs", list(PROGRAMS), "programs to compile", flag_values=fv)
+  progs = flags.DEFINE_list("programs", [], "programs to compile (default: every program the "
+                            "trainer runs for the config)", flag_values=fv)
   out = flags.DEFINE_string("out", "", "report path (default aot_<config>_<topology>.json)",
                             flag_values=fv)
   hlo_dir = flags.DEFINE_string("hlo_dir", "", "also write each program's optimized HLO "
@@ -487,7 +405,8 @@ def main(argv: Sequence[str]) -> int:
     c = cfg.value
     hf, source = resolve_model(c, model.value, spec.partition(":")[0])
     print(f"[aot] config {spec}; model {source}", flush=True)
-    report = compile_config(c, topo.value, hf, programs=progs.value, hlo_dir=hlo_dir.value,
+    report = compile_config(c, topo.value, hf, programs=progs.value or None,
+                            hlo_dir=hlo_dir.value,
                             log=lambda m: print(m, flush=True))
   except (ConfigError, flags.Error) as e:
     print(f"error: {e}", file=sys.stderr)
@@ -505,8 +424,13 @@ def main(argv: Sequence[str]) -> int:
         print(f"[aot] {row['program']} does not fit on {topo.value}; knobs that change its "
               "memory:\n  " + "\n  ".join(KNOBS[row["program"]]), file=sys.stderr)
     return 1
-  print(f"[aot] every program fits; roofline lower bound of one RL step "
-        f"{report['step_roofline_s']:.3g} s")
+  if report["step_roofline_s"] is not None:
+    print(f"[aot] every program fits; roofline lower bound of one RL step "
+          f"{report['step_roofline_s']:.3g} s" + (
+              f", of one evaluation {report['evaluation_roofline_s']:.3g} s"
+              if report["evaluation_roofline_s"] is not None else ""))
+  else:
+    print("[aot] every program fits")
   return 0
 
 

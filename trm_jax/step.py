@@ -7,10 +7,13 @@ configuration), and returns the next state and the step's metrics. It is pure in
 matters for resume: everything it reads is in `state`, in `ctx` or a function of
 (seed, step), so a run restored from a checkpoint replays bitwise.
 
-    ctx = make_context(config, mesh, model, tokenizer, task)
-    state = initial_state(ctx, model)
+    ctx, state = make_context(config, mesh, model, tokenizer, task)   # step-0 state
     state, metrics = rl_step(ctx, state)        # one rollout batch, its updates
     held_out = evaluate(ctx, state.params)      # greedy / avg@k on fixed problems
+
+Every jitted program a step runs (rollout, score, update, the evaluations) comes from
+`programs.build`, which `trm_jax.aot` also compiles for TPU slices: a knob read there reaches
+the trainer and AOT alike.
 
 Who computes what (the TRM paper's setting: pi_roll != pi_theta):
   (1) prompts at data position `state.data_pos` (a pure function of the seed and the index);
@@ -40,56 +43,16 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from trm_jax import programs as programs_lib
 from trm_jax import sharding as shd
-from trm_jax.config import ConfigError
 from trm_jax.data import math_reward
 from trm_jax.data import summarize as eval_summary
+from trm_jax.programs import DTYPES, Programs, narrowed
 from trm_jax.rl import advantages as adv_lib
-from trm_jax.rl import optim
-from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
-from trm_jax.rollout import (CacheConfig, SamplingConfig, generate_from_state, sampler_graphdef,
-                             sampling_config)
+from trm_jax.rl.learner import LearnerBatch
+from trm_jax.rollout.sampler import check_prompts
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-# ------------------------------------------------------------------------------------------
-# Settings derived from the config (static: part of the compiled programs)
-# ------------------------------------------------------------------------------------------
-def learner_config(c: ml_collections.ConfigDict, max_len: int) -> LearnerConfig:
-  r = c.rl
-  kwargs = {"ppo_clip": (("clip_eps_low", r.clip_eps_low), ("clip_eps_high", r.clip_eps_high),
-                         ("dual_clip_c", r.dual_clip_c)),
-            "tis": (("tis_cap", r.tis_cap),)}.get(r.objective, ())
-  thresholds = tuple((k, float(v)) for k, v in c.trm.items() if k != "criteria")
-  return LearnerConfig(objective=r.objective, loss_agg=r.loss_agg, objective_kwargs=kwargs,
-                       max_len=max_len, criteria=tuple(c.trm.criteria), thresholds=thresholds,
-                       mode=c.smd.mode, lam=float(c.smd.lam),
-                       num_microbatches=r.num_microbatches, chunk=r.chunk,
-                       attn_impl=c.model.attn_impl, temperature=float(c.rollout.temperature),
-                       kl_beta=float(c.rl.kl_beta))
-
-
-def cache_config(c: ml_collections.ConfigDict) -> CacheConfig:
-  cc = c.rollout.cache
-  if cc.policy == "none":
-    return CacheConfig()
-  budget = ({"capacity": cc.capacity} if cc.capacity else {"ratio": cc.ratio})
-  return CacheConfig(policy=cc.policy, window=cc.window, kernel=cc.kernel,
-                     recent_frac=cc.recent_frac, sinks=cc.sinks, **budget)
-
-
-def make_optimizer(c: ml_collections.ConfigDict):
-  """AdamW with warm-up and cosine decay over every optimizer step of the run."""
-  o = c.optim
-  n_updates = c.total_steps * c.rl.num_minibatches * c.rl.num_epochs
-  return optim.make_optimizer(lr=o.lr, warmup_steps=min(o.warmup_steps, n_updates - 1),
-                              total_steps=n_updates, weight_decay=o.weight_decay, b1=o.b1,
-                              b2=o.b2, eps=o.eps, clip_norm=o.clip_norm,
-                              min_lr_ratio=o.min_lr_ratio)
-
 
 # ------------------------------------------------------------------------------------------
 # What a run builds once, and what it carries from step to step
@@ -99,14 +62,8 @@ class RLContext:
   """Built once per run; read, never written, by every step."""
   c: ml_collections.ConfigDict
   mesh: jax.sharding.Mesh
-  graphdef: nnx.GraphDef      # the policy's graph (learner dtype); params + rest complete it
+  programs: Programs          # every jitted program of the run (programs.build)
   rest: Any                   # non-parameter model state (nnx.split(model, nnx.Param, ...))
-  score: Any                  # jitted learner scoring pass (rl.learner.make_learner)
-  update: Any                 # jitted learner update (donates params and opt_state)
-  lcfg: LearnerConfig
-  roll_graphdef: nnx.GraphDef  # the policy's graph in the sampler's dtype (rollout.dtype)
-  roll: SamplingConfig        # how training rollouts sample (pi_roll: noise, truncation, ...)
-  cache: CacheConfig          # the sampler's KV cache and eviction policy
   task: Any                   # trm_jax.data.task.Task: prompts, sizes, held-out problems
   tok: Any                    # tokenizer (decodes completions for the reward)
   rng: jax.Array              # the run's base key (a function of config.seed, replicated)
@@ -114,8 +71,27 @@ class RLContext:
   # Disaggregated sampler (mesh.rollout_devices > 0): its own mesh, where each rollout's
   # parameters are copied to; None = colocated (the sampler uses the learner's arrays).
   sampler_mesh: Optional[jax.sharding.Mesh] = None
-  sampler_param_sh: Any = None  # parameter shardings on sampler_mesh
   sampler_rest: Any = None      # `rest` on sampler_mesh
+
+  @property
+  def graphdef(self) -> nnx.GraphDef:   # the policy's graph (learner dtype)
+    return self.programs.graphdef
+
+  @property
+  def lcfg(self):
+    return self.programs.lcfg
+
+  @property
+  def score(self) -> programs_lib.Program:    # learner scoring pass (rl.learner.make_learner)
+    return self.programs["score"]
+
+  @property
+  def update(self) -> programs_lib.Program:   # learner update (donates params and opt_state)
+    return self.programs["update"]
+
+  @property
+  def sampler_param_sh(self):
+    return self.programs.sampler_param_sh
 
 
 @dataclasses.dataclass
@@ -160,42 +136,34 @@ def init_learner_state(model: nnx.Module, tx, mesh: jax.sharding.Mesh):
   return graphdef, params, rest, opt_state, (param_sh, opt_sh)
 
 
+def task_sizes(c: ml_collections.ConfigDict, task) -> programs_lib.Sizes:
+  """The shapes `task` gives the programs (prompt bucket, new tokens, held-out rows)."""
+  n_eval = len(task.eval_problems(c.eval_problems)) if c.eval_problems else 0
+  return programs_lib.Sizes(P=task.max_prompt_len, R=task.max_new_tokens, eval_problems=n_eval)
+
+
 def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: nnx.Module,
                  tok, task, sampler_mesh: Optional[jax.sharding.Mesh] = None,
                  ) -> tuple[RLContext, TrainState]:
-  """Splits the model, builds optimizer and learner; returns the context and step-0 state.
+  """Builds the run's programs (`programs.build`) and the step-0 state of `model`.
 
   AdamW's moments take their parameter's sharding, scalars (the schedule count) are
   replicated; the learner's update returns its state with exactly these shardings. With
   `sampler_mesh` the sampler runs there (mesh.rollout_devices).
   """
-  if c.rollout.routing_replay and not model.moe_layers:
-    raise ConfigError(f"bad config value [rollout.routing_replay]: routing replay needs MoE "
-                      f"layers; this {model.config.model_type} model has none")
-  tx = make_optimizer(c)
-  graphdef, params, rest, opt_state, state_sh = init_learner_state(model, tx, mesh)
-  lcfg = learner_config(c, max_len=task.max_new_tokens)
-  score, update = make_learner(graphdef, tx, lcfg, response_start=task.max_prompt_len,
-                               state_shardings=state_sh)
+  progs = programs_lib.build(c, model, mesh, sampler_mesh, task_sizes(c, task))
+  _, params, rest = nnx.split(model, nnx.Param, ...)
+  opt_state = jax.jit(progs.tx.init, out_shardings=progs.opt_sh)(params)
   # Replicated on the mesh, made under jit: device_put cannot reach other processes' devices.
   rng = jax.jit(lambda: jax.random.key(c.seed),
                 out_shardings=NamedSharding(mesh, PartitionSpec()))()
-  r = c.rollout
-  roll = sampling_config(
-      model.config, max_new_tokens=task.max_new_tokens, temperature=r.temperature,
-      top_p=r.top_p, top_k=r.top_k, keep_full_logprobs=r.keep_full_logprobs,
-      keep_topk_logprobs=r.keep_topk_logprobs, logit_noise=r.logit_noise,
-      router_noise_scale=r.router_noise, record_routing=r.routing_replay)
   disagg = {}
   if sampler_mesh is not None:
     disagg = dict(sampler_mesh=sampler_mesh,
-                  sampler_param_sh=shd.state_shardings(params, sampler_mesh),
-                  sampler_rest=jax.device_put(rest, shd.state_shardings(rest, sampler_mesh)))
-  ctx = RLContext(c=c, mesh=mesh, graphdef=graphdef, rest=rest, score=score, update=update,
-                  lcfg=lcfg, roll_graphdef=sampler_graphdef(model, DTYPES[r.dtype]),
-                  roll=roll, cache=cache_config(c), task=task, tok=tok, rng=rng,
+                  sampler_rest=jax.device_put(rest, progs.sampler_rest_sh))
+  ctx = RLContext(c=c, mesh=mesh, programs=progs, rest=rest, task=task, tok=tok, rng=rng,
                   # The reference policy of the optional k3 KL penalty: the start, frozen.
-                  ref_params=jax.tree.map(jnp.copy, params) if lcfg.kl_beta > 0 else None,
+                  ref_params=jax.tree.map(jnp.copy, params) if progs.lcfg.kl_beta > 0 else None,
                   **disagg)
   # Before any update every stale version is the starting policy: one copy serves them all.
   start = narrow(DTYPES[c.rollout.dtype])(params) if c.rl.staleness else None
@@ -330,12 +298,6 @@ def _dispatch_next(ctx: RLContext, state: TrainState) -> TrainState:
   return state
 
 
-def narrowed(dtype, to):
-  """`to` for a floating dtype wider than it, else `dtype` unchanged."""
-  dtype, to = jnp.dtype(dtype), jnp.dtype(to)
-  return to if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize > to.itemsize else dtype
-
-
 @functools.lru_cache(maxsize=None)
 def narrow(to):
   """jit(tree -> tree): every leaf cast to `narrowed(leaf.dtype, to)`."""
@@ -361,12 +323,10 @@ def sample(ctx: RLContext, params, pb, key: jax.Array):
   if ctx.sampler_mesh is not None:
     rest = ctx.sampler_rest
     key = jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
-  state = nnx.merge_state(params, rest)
-  # Lengths stay on the host: the sampler checks them there (and a [B] vector is cheap).
-  with oom_hints("rollout"), jax.set_mesh(mesh):
-    return generate_from_state(ctx.roll_graphdef, state, shd.put_batch(pb.tokens, mesh),
-                               pb.lengths, key=key, sampling_config=ctx.roll,
-                               cache_config=ctx.cache, attn_impl=ctx.c.model.attn_impl)
+  # Lengths stay on the host: they are checked there (and a [B] vector is cheap).
+  ids, lengths = check_prompts(shd.put_batch(pb.tokens, mesh), pb.lengths)
+  with oom_hints("rollout"):
+    return ctx.programs["rollout"](nnx.merge_state(params, rest), ids, lengths, key)
 
 
 def evaluate(ctx: RLContext, params) -> dict:
@@ -385,21 +345,17 @@ def evaluate(ctx: RLContext, params) -> dict:
   c, task = ctx.c, ctx.task
   problems = task.eval_problems(c.eval_problems)
   k = c.eval_samples
-  caches = {"": CacheConfig()}
-  if c.rollout.cache.policy != "none":
-    caches["compressed_"] = ctx.cache
+  suffixes = [""] + (["_compressed"] if c.rollout.cache.policy != "none" else [])
   state = nnx.merge_state(params, ctx.rest)
+  key = jax.random.key(c.seed + 3)
   out = {}
-  for prefix, cache in caches.items():
+  for suffix in suffixes:
+    prefix = suffix[1:] + "_" if suffix else ""
     for n in (1, k) if k > 1 else (1,):
       pb = task.prompts(problems, n)
-      scfg = dataclasses.replace(ctx.roll, greedy=n == 1, temperature=c.eval_temperature,
-                                 top_p=c.eval_top_p, top_k=0, logit_noise=0.0,
-                                 router_noise_scale=0.0, keep_full_logprobs=False,
-                                 keep_topk_logprobs=0)
-      ro = generate_from_state(ctx.graphdef, state, shd.put_batch(pb.tokens, ctx.mesh),
-                               pb.lengths, key=jax.random.key(c.seed + 3),
-                               sampling_config=scfg, cache_config=cache)
+      ids, lengths = check_prompts(shd.put_batch(pb.tokens, ctx.mesh), pb.lengths)
+      program = ctx.programs[f"eval_{'greedy' if n == 1 else 'sampled'}{suffix}"]
+      ro = program(state, ids, lengths, key)
       correct = rewards_of(ctx.tok, ro, problems, pb.problem_ids, task.max_prompt_len) > 0.5
       if n == 1:
         out[prefix + "greedy_accuracy"] = float(correct.mean())

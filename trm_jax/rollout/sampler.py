@@ -174,8 +174,20 @@ def generate_from_state(graphdef, state, prompt_ids, prompt_lengths, *, key: jax
   `graphdef` from `sampler_graphdef`, `state` the model's whole state (`nnx.split(model)[1]`,
   or `nnx.merge_state(params, rest)`), `sampling_config` from `sampling_config`.
   """
+  prompt_ids, prompt_lengths = check_prompts(prompt_ids, prompt_lengths)
+  return _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key,
+                       scfg=sampling_config, ccfg=cache_config, attn_impl=attn_impl,
+                       phase="all")
+
+
+def check_prompts(prompt_ids, prompt_lengths) -> tuple[jax.Array, jax.Array]:
+  """(prompt_ids, prompt_lengths) as int32 arrays, after checking their shapes and, for
+  concrete lengths, that each is in [1, P]; a ValueError names what is wrong."""
   prompt_ids = jnp.asarray(prompt_ids)
-  prompt_lengths = jnp.asarray(prompt_lengths)
+  # Host lengths stay on the host (numpy): a jitted program places them with its other
+  # inputs, where a device array made here would be committed to one device.
+  prompt_lengths = (prompt_lengths if isinstance(prompt_lengths, jax.Array)
+                    else np.asarray(prompt_lengths))
   if prompt_ids.ndim != 2 or not jnp.issubdtype(prompt_ids.dtype, jnp.integer):
     raise ValueError(f"prompt_ids must be an int [B, P] array, got {prompt_ids.dtype} "
                      f"{prompt_ids.shape}")
@@ -187,9 +199,16 @@ def generate_from_state(graphdef, state, prompt_ids, prompt_lengths, *, key: jax
     if lens.min() < 1 or lens.max() > P:
       raise ValueError(f"prompt_lengths must be in [1, P={P}], got min {lens.min()} "
                        f"max {lens.max()}")
-  return _generate_jit(graphdef, state, prompt_ids.astype(jnp.int32),
-                       prompt_lengths.astype(jnp.int32), key, scfg=sampling_config,
-                       ccfg=cache_config, attn_impl=attn_impl, phase="all")
+  return prompt_ids.astype(jnp.int32), prompt_lengths.astype(jnp.int32)
+
+
+def make_generate(graphdef, sampling_config: SamplingConfig,
+                  cache_config: CacheConfig = CacheConfig(), attn_impl: str = "auto"):
+  """jit(state, prompt_ids, prompt_lengths, key) -> Rollout: `generate_from_state` with its
+  static settings bound, as one jitted program (`.lower(...)` compiles it ahead of time).
+  Its inputs are not checked: pass them through `check_prompts` first."""
+  return jax.jit(functools.partial(_generate_jit, graphdef, scfg=sampling_config,
+                                   ccfg=cache_config, attn_impl=attn_impl, phase="all"))
 
 
 def stream_keys(key: jax.Array):

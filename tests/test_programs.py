@@ -1,0 +1,78 @@
+"""The trainer's programs are AOT's programs (`programs.build`).
+
+One real RL step and one evaluation run in-process on the session's tiny base model, with
+every `Program` call recorded: the programs the trainer calls are exactly the ones
+`trm_jax.aot` builds for the same config, and every call's inputs have the shapes, dtypes and
+shardings of the abstract inputs AOT compiles (so AOT compiles the trainer's program, not a
+look-alike). Colocated with the evaluation's dense and compressed programs, and a sampler on
+its own devices with stale parameters (the programs whose inputs differ most).
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from trm_jax import aot, train
+from trm_jax import programs as programs_lib
+from trm_jax import step as step_lib
+from trm_jax.data import Task, load_tokenizer
+from trm_jax.models import from_pretrained
+
+pytestmark = pytest.mark.slow
+
+
+def _signature(tree):
+  """(path, shape, dtype, partition spec) of every array leaf, None leaves kept out."""
+  def one(path, x):
+    sh = getattr(x, "sharding", None)
+    spec = tuple(sh.spec) if isinstance(sh, jax.sharding.NamedSharding) else None
+    return (jax.tree_util.keystr(path), tuple(x.shape), str(x.dtype), spec)
+  return [one(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _spec(sig):
+  """Partition specs compared up to trailing replicated dimensions (P('d') == P('d', None));
+  a host (numpy) input is placed replicated by the jitted program."""
+  out = []
+  for path, shape, dtype, spec in sig:
+    spec = () if spec is None else tuple(spec)
+    while spec and spec[-1] is None:
+      spec = spec[:-1]
+    out.append((path, shape, dtype, spec))
+  return out
+
+
+@pytest.mark.parametrize("variant", ["colocated_smd_eval", "disaggregated_stale"])
+def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch, variant):
+  c = shared_run.config()
+  c.total_steps, c.rl.batch_size, c.rl.group_size = 2, 8, 4
+  c.rl.num_minibatches, c.eval_problems, c.eval_samples = 2, 4, 2
+  if variant == "colocated_smd_eval":
+    c.rollout.cache.policy, c.rollout.cache.ratio, c.smd.mode = "h2o", 0.5, "smd"
+  else:
+    c.mesh.rollout_devices, c.rl.staleness, c.rollout.dtype = 2, 1, "bfloat16"
+    c.eval_problems = 0
+  calls = []
+  real_call = programs_lib.Program.__call__
+
+  def recording(self, *args):
+    calls.append((self.name, _signature(args)))
+    return real_call(self, *args)
+  monkeypatch.setattr(programs_lib.Program, "__call__", recording)
+
+  mesh, sampler_mesh = train.make_mesh(c)
+  with jax.set_mesh(mesh):
+    model = from_pretrained(str(shared_run.base_dir), dtype=jnp.float32, mesh=mesh)
+    tok = load_tokenizer(str(shared_run.base_dir))
+    task = Task(c.task, seed=c.seed, tokenizer=tok, eval_problems=c.eval_problems)
+    ctx, state = step_lib.make_context(c, mesh, model, tok, task, sampler_mesh)
+    state, _ = step_lib.rl_step(ctx, state)
+    if c.eval_problems:
+      step_lib.evaluate(ctx, state.params)
+
+  # AOT's build for the same config and model architecture, on the same devices.
+  c.task.max_prompt_len, c.task.max_new_tokens = task.max_prompt_len, task.max_new_tokens
+  setup = aot.build(c, model.config.to_hf(), jax.devices())
+  compiled = setup.programs.programs
+  assert sorted({name for name, _ in calls}) == sorted(compiled)
+  for name, sig in calls:
+    assert _spec(sig) == _spec(_signature(compiled[name].args)), name
