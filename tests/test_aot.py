@@ -171,8 +171,10 @@ def test_tiny_smd_config_compiles_for_v5e_through_the_cli(tmp_path):
   out = tmp_path / "report.json"
   r = _aot("--out", str(out), "--config.rl.batch_size=32", "--config.rl.group_size=4",
            "--config.rl.num_minibatches=2", "--config.rl.num_microbatches=2",
-           "--config.rl.chunk=32", tmp_path=tmp_path)
+           "--config.rl.chunk=32", "--programs", "rollout,score,update", tmp_path=tmp_path)
   assert r.returncode == 0, r.stderr[-3000:]
+  assert ("programs rollout, score, update, eval_greedy, eval_sampled, eval_greedy_compressed, "
+          "eval_sampled_compressed\n") in r.stdout
   for name in ("rollout", "score", "update"):
     assert f"[aot] {name}: compiling ..." in r.stdout
   assert "every program fits; roofline lower bound of one RL step" in r.stdout
@@ -199,6 +201,59 @@ def test_tiny_smd_config_compiles_for_v5e_through_the_cli(tmp_path):
                                 for l in rows["rollout"]["loops"]}
   assert rep["step_roofline_s"] == pytest.approx(
       sum(r["roofline_s"] * r["calls_per_step"] for r in rows.values()))
+
+
+@needs_libtpu
+def test_moe_config_with_routing_replay_compiles_every_program_for_v5e_2x4(tmp_path):
+  """The acceptance command on a clean checkout (the warm-up base model is not built: its
+  architecture comes from config.model.arch), smaller batches: every program the trainer
+  runs, evaluation included, compiles for an 8-chip slice, and the routing record reaches the
+  learner's programs."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  out = tmp_path / "moe.json"
+  r = subprocess.run(
+      [sys.executable, "-m", "trm_jax.aot", "--config",
+       os.path.join(ROOT, "configs", "tiny_moe_mismatch.py"),
+       "--config.rollout.routing_replay=True", "--topology", "v5e:2x4", "--out", str(out),
+       f"--config.warmup.cache_dir={tmp_path / 'no_base'}", "--config.rl.batch_size=16",
+       "--config.rl.group_size=4", "--config.eval_problems=8"],
+      capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "model the warm-up base model's architecture (config.model.arch)" in r.stdout
+  rep = json.loads(out.read_text())
+  rows = {p["program"]: p for p in rep["programs"]}
+  assert list(rows) == ["rollout", "score", "update", "eval_greedy", "eval_sampled"]
+  assert rep["fits"] and rep["devices"] == 8 and rep["mesh"]["data"] == 8
+  assert rows["eval_greedy"]["per"] == "evaluation" and rep["evaluation_roofline_s"] > 0
+  # The update's resident batch holds the routing record: int8 [B, L_moe, T, k] per row.
+  assert rep["config"]["rollout"]["routing_replay"] and rep["model"]["num_experts"] == 8
+
+
+@needs_libtpu
+@pytest.mark.parametrize("config,overrides", [
+    ("tiny_trm.py", {}),
+    ("tiny_smd.py", {}),
+    ("tiny_trm.py", {"mesh.rollout_devices": 2, "rl.staleness": 1, "rollout.dtype": "bfloat16",
+                     "rl.kl_beta": 0.01}),
+], ids=["trm", "smd", "disaggregated_stale_kl"])
+def test_every_trainer_program_of_the_tiny_configs_lowers_for_v5e_2x4(config, overrides):
+  """Every program of each shipped tiny config (the MoE one with routing replay compiles in
+  the test above) lowers for an 8-chip slice through the trainer's builder: the Pallas TPU
+  kernel partitions itself under the programs' meshes (it refuses to lower otherwise)."""
+  from trm_jax import aot, config as config_lib, sweep  # pylint: disable=g-import-not-at-top
+  from trm_jax.kernels import tpu_aot                    # pylint: disable=g-import-not-at-top
+  c = config_lib.load_config(os.path.join(ROOT, "configs", config))
+  c = sweep.apply_overrides(c, {"rl.batch_size": 16, "rl.group_size": 4, "eval_problems": 8,
+                                "warmup.cache_dir": "/nonexistent", **overrides}.items())
+  hf, _ = aot.resolve_model(c)
+  s = aot.build(c, hf, tpu_aot.topology_devices("v5e:2x4"))
+  assert s.impl == "pallas_tpu"
+  for program in s.programs:
+    text = program.lower().as_text()   # the learner's attention and the sampler's prefill
+    assert "tpu_custom_call" in text and "sdy.manual_computation" in text, program.name
+  if overrides:
+    assert s.sync["sampler_devices"] == 2 and s.programs["rollout"].mesh.size == 2
 
 
 @needs_libtpu
@@ -231,8 +286,9 @@ def test_program_that_does_not_fit_exits_1_naming_its_knobs(tmp_path):
      "axes without splitting one: Failed to find assignment for logical_axis_index"),
     (["--model", "/nonexistent/ckpt"], "error: no HF config.json at /nonexistent/ckpt "
      "(expected a checkpoint directory or a config.json file)"),
-    (["--programs", "rollout,train"], "error: unknown programs ['train']; expected some of "
-     "('rollout', 'score', 'update')"),
+    (["--programs", "rollout,train"], "error: unknown programs ['train']; this config's trainer "
+     "runs ('rollout', 'score', 'update', 'eval_greedy', 'eval_sampled', "
+     "'eval_greedy_compressed', 'eval_sampled_compressed')"),
 ])
 def test_bad_input_is_one_line_naming_it(tmp_path, capsys, args, msg):
   from trm_jax import aot   # pylint: disable=g-import-not-at-top

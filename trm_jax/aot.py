@@ -38,7 +38,9 @@ the tool exit with status 1 after naming the knobs that change that program's me
 
 The model: `--model` (a published name in KNOWN_MODELS, a checkpoint directory or a
 config.json), else config.model.path's config.json, else a published model named by the config
-file (qwen3_8b_* -> Qwen3-8B), else the warm-up base model in warmup.cache_dir when built.
+file (qwen3_8b_* -> Qwen3-8B), else the warm-up base model in warmup.cache_dir when built,
+else that base model's architecture (config.model.arch: the tiny configs compile from a clean
+checkout).
 config.model.attn_impl="auto" resolves as on a TPU host (the Pallas TPU kernel), which
 partitions itself over each chip's rows and kv heads (`kernels.partition`).
 """
@@ -138,8 +140,16 @@ def resolve_model(c: ml_collections.ConfigDict, model: str = "",
   base = os.path.expanduser(c.warmup.cache_dir)
   if warmup.is_current(base, c):
     return read(base), f"warm-up base model {base}"
-  raise ConfigError("config.model.path is empty and the warm-up base model is not built "
-                    f"({base}); pass --model with one of {', '.join(KNOWN_MODELS)}, a "
+  if c.get("model", {}).get("arch"):
+    # Not built yet: its architecture is the config's (model.arch over the synthetic
+    # tokenizer), which is all a compile needs.
+    import tempfile  # pylint: disable=g-import-not-at-top
+    from trm_jax.data import synthetic  # pylint: disable=g-import-not-at-top
+    with tempfile.TemporaryDirectory() as d:
+      mcfg = warmup.base_model_config(c, synthetic.make_synthetic_tokenizer(d))
+    return mcfg.to_hf(), "the warm-up base model's architecture (config.model.arch)"
+  raise ConfigError("config.model.path is empty and the config names no warm-up "
+                    f"architecture; pass --model with one of {', '.join(KNOWN_MODELS)}, a "
                     "checkpoint directory or a config.json")
 
 

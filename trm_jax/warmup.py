@@ -59,6 +59,24 @@ def sft_loss(model: Decoder, tokens: jax.Array, loss_mask: jax.Array, lengths: j
   return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
+def base_model_config(c: ml_collections.ConfigDict, tok) -> ModelConfig:
+  """The warm-up base model's architecture: config.model.arch over the synthetic tokenizer
+  `tok` (its vocabulary and special ids)."""
+  a = c.model.arch
+  # An arch with num_experts > 0 builds a Qwen3-MoE-shaped model (every MLP sparse), the
+  # setting where router jitter in the sampler flips expert choices (TRM paper Sec. 1).
+  moe = ({"num_experts": a.num_experts, "num_experts_per_tok": a.num_experts_per_tok,
+          "moe_intermediate_size": a.moe_intermediate_size}
+         if a.get("num_experts", 0) else {})
+  return ModelConfig(
+      model_type="qwen3_moe" if moe else "qwen3", vocab_size=tok.vocab_size, hidden_size=a.hidden_size,
+      intermediate_size=a.intermediate_size, num_layers=a.num_layers, num_heads=a.num_heads,
+      num_kv_heads=a.num_kv_heads, head_dim=a.hidden_size // a.num_heads,
+      tie_word_embeddings=a.tie_word_embeddings, qk_norm=True, rope_theta=a.rope_theta,
+      max_position_embeddings=a.max_position_embeddings, bos_token_id=tok.bos_id,
+      eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **moe)
+
+
 def build_base_model(c: ml_collections.ConfigDict, out_dir: str, *,
                      log: Callable[[str], None] = print) -> str:
   """Trains the tiny base model by SFT on the synthetic task; writes an HF checkpoint."""
@@ -66,19 +84,7 @@ def build_base_model(c: ml_collections.ConfigDict, out_dir: str, *,
   w = c.warmup
   tmp = tempfile.mkdtemp(prefix=".warmup-", dir=os.path.dirname(os.path.abspath(out_dir)))
   tok = synthetic.make_synthetic_tokenizer(tmp)
-  a = c.model.arch
-  # An arch with num_experts > 0 builds a Qwen3-MoE-shaped model (every MLP sparse), the
-  # setting where router jitter in the sampler flips expert choices (TRM paper Sec. 1).
-  moe = ({"num_experts": a.num_experts, "num_experts_per_tok": a.num_experts_per_tok,
-          "moe_intermediate_size": a.moe_intermediate_size}
-         if a.get("num_experts", 0) else {})
-  mcfg = ModelConfig(
-      model_type="qwen3_moe" if moe else "qwen3", vocab_size=tok.vocab_size, hidden_size=a.hidden_size,
-      intermediate_size=a.intermediate_size, num_layers=a.num_layers, num_heads=a.num_heads,
-      num_kv_heads=a.num_kv_heads, head_dim=a.hidden_size // a.num_heads,
-      tie_word_embeddings=a.tie_word_embeddings, qk_norm=True, rope_theta=a.rope_theta,
-      max_position_embeddings=a.max_position_embeddings, bos_token_id=tok.bos_id,
-      eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **moe)
+  mcfg = base_model_config(c, tok)
   model = Decoder(mcfg, rngs=nnx.Rngs(w.seed))
   tx = optim.make_optimizer(lr=w.lr, warmup_steps=max(1, w.steps // 20), total_steps=w.steps,
                             weight_decay=0.0, b1=0.9, b2=0.99, eps=1e-8,
