@@ -7,7 +7,9 @@ What is covered across processes: `jax.distributed.initialize` via the trainer's
 variables), the mesh over all processes' devices, batches handed in as per-process shards
 (`sharding.put_batch`), the sharded update, and gathering the result to a host
 (`step.host`). A second test runs the whole trainer (`python -m trm_jax.train`) in two
-processes and checks it against the same run in one process with 4 devices.
+processes started with only the variables `srun -n 2` sets (no JAX_* variables: JAX's SLURM
+detection finds the coordinator) and checks it against the same run in one process with 4
+devices. tests/test_slurm.py runs it under a real scheduler.
 
 Run as a script, this file is the worker: `python tests/test_distributed.py OUT.npz`.
 """
@@ -95,6 +97,33 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
     assert got_aux[k] == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
 
 
+def _slurm_env(task: int, job_id: int, n: int = 2) -> dict:
+  """What `srun -n N` on one node sets for task `task` (and no JAX_* variable). JAX's
+  SlurmCluster puts the coordinator on the step's first node at port 61440 + job id % 4096,
+  so the job id is chosen for a free port."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR",
+                                                                  "JAX_NUM_PROC",
+                                                                  "JAX_PROCESS_ID", "SLURM_"))}
+  env.update(SLURM_JOB_ID=str(job_id), SLURM_NTASKS=str(n), SLURM_PROCID=str(task),
+             SLURM_LOCALID=str(task), SLURM_NODEID="0", SLURM_NNODES="1",
+             SLURM_STEP_NODELIST="localhost", SLURM_NODELIST="localhost",
+             SLURM_STEP_NUM_TASKS=str(n), SLURM_STEP_ID="0")
+  return env
+
+
+def _free_slurm_job_id() -> int:
+  for _ in range(100):
+    job = int.from_bytes(os.urandom(2), "little") % 4096
+    with socket.socket() as s:
+      try:
+        s.bind(("127.0.0.1", 61440 + job))
+        return job + 4096 * 7
+      except OSError:
+        continue
+  raise RuntimeError("no free port in SLURM's coordinator range")
+
+
+
 def _trainer_args(tmp, workdir):
   return [sys.executable, "-m", "trm_jax.train", "--config", "configs/tiny_trm.py",
           "--workdir", workdir, "--config.total_steps=2", "--config.ckpt_every=1",
@@ -106,19 +135,18 @@ def _trainer_args(tmp, workdir):
 
 
 @pytest.mark.slow
-def test_trainer_in_two_processes_matches_one_process(tmp_path):
-  """The full loop: process 0 builds the base model, both roll out and update their shards,
-  checkpoints are written together, metrics and the HF export by process 0 only."""
+def test_trainer_in_two_processes_from_srun_variables_matches_one_process(tmp_path):
+  """The full loop from SLURM's variables alone: process 0 builds the base model, both roll
+  out and update their shards, checkpoints are written together, metrics and the HF export by
+  process 0 only."""
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   tmp = str(tmp_path)
   multi, single = os.path.join(tmp, "multi"), os.path.join(tmp, "single")
-  port = _free_port()
+  job_id = _free_slurm_job_id()
   procs = []
   for i in range(2):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
-               JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    env = dict(_slurm_env(i, job_id), XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
     procs.append(subprocess.Popen(_trainer_args(tmp, multi), cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
   logs = []
@@ -133,6 +161,10 @@ def test_trainer_in_two_processes_matches_one_process(tmp_path):
       f"--- process {i} (exit {p.returncode}):\n{log[-3000:]}"
       for i, (p, log) in enumerate(zip(procs, logs)))
   assert "2 processes" in logs[0]
+  for i, log in enumerate(logs):   # the first line says how the processes found each other
+    first = next(l for l in log.splitlines() if "multi-host start-up" in l)
+    assert first.endswith(f"multi-host start-up: SlurmCluster (JAX's cluster detection): "
+                          f"process {i} of 2, 2 local of 4 devices"), first
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu")
   p = subprocess.run(_trainer_args(tmp, single), cwd=ROOT, env=env, capture_output=True,
@@ -147,6 +179,32 @@ def test_trainer_in_two_processes_matches_one_process(tmp_path):
   assert sorted(got) == sorted(want)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_start_up_says_how_and_refuses_a_partial_set_of_variables(monkeypatch, caplog):
+  import logging  # pylint: disable=g-import-not-at-top
+  from trm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from trm_jax import distributed  # pylint: disable=g-import-not-at-top
+  for k in list(os.environ):
+    if k.startswith(("SLURM_", "OMPI_")) or k in distributed.EXPLICIT:
+      monkeypatch.delenv(k)
+  with caplog.at_level(logging.INFO, logger="trm_jax.distributed"):
+    assert not distributed.init_distributed()
+  assert caplog.messages == [
+      "multi-host start-up: one process (no cluster environment, no JAX_* variables)"]
+  # A one-task SLURM step is one process: nothing to coordinate, no port opened.
+  for k, v in _slurm_env(0, job_id=7, n=1).items():
+    if k.startswith("SLURM_"):
+      monkeypatch.setenv(k, v)
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="trm_jax.distributed"):
+    assert not distributed.init_distributed()
+  assert caplog.messages == ["multi-host start-up: one process (SlurmCluster reports one task)"]
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  with pytest.raises(config_lib.ConfigError) as e:
+    distributed.init_distributed()
+  assert str(e.value) == ("JAX_NUM_PROCESSES set but JAX_COORDINATOR_ADDRESS, JAX_PROCESS_ID "
+                          "not: set all three for a multi-process run")
 
 
 if __name__ == "__main__":

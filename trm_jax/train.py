@@ -17,8 +17,10 @@ Scale and faults:
   * Mesh (`config.mesh`, axes data/fsdp/tensor, one -1 = remaining devices): the model loads
     sharded by its logical axes, the optimizer state mirrors the parameter shardings, batches
     are split over (data, fsdp). The sampler runs on the same sharded parameters.
-  * Multi-process: `init_distributed()` (CLI) calls `jax.distributed.initialize` when
-    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID are set. Every process
+  * Multi-process: `init_distributed()` (CLI; `trm_jax.distributed`) calls
+    `jax.distributed.initialize` from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID when they are set, else from the cluster JAX detects (a SLURM step, Open MPI,
+    a Cloud TPU pod), and its first log line says which, with the process count. Every process
     builds the same prompt batch and hands jax only its addressable shards
     (`sharding.put_batch`). Process 0 builds the warm-up base model, the others wait for it on
     the shared filesystem. Checkpoints are written by all processes together (orbax);
@@ -50,6 +52,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from trm_jax import config as config_lib
+from trm_jax.distributed import init_distributed
 from trm_jax import sharding as shd
 from trm_jax import step as step_lib
 from trm_jax import warmup
@@ -79,24 +82,6 @@ _ALLOW_CHANGE = flags.DEFINE_bool(
 # ------------------------------------------------------------------------------------------
 # Devices and faults
 # ------------------------------------------------------------------------------------------
-def init_distributed() -> bool:
-  """`jax.distributed.initialize` from the standard environment variables, if they are set.
-
-  JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES, JAX_PROCESS_ID. Returns
-  whether it initialised. Must run before anything touches a jax device.
-  """
-  addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
-  if not addr:
-    return False
-  missing = [k for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if k not in os.environ]
-  if missing:
-    raise config_lib.ConfigError(f"JAX_COORDINATOR_ADDRESS={addr!r} is set but {missing} "
-                                 "are not: set all three for a multi-process run")
-  jax.distributed.initialize(addr, num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                             process_id=int(os.environ["JAX_PROCESS_ID"]))
-  return True
-
-
 def make_mesh(c: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, Optional[jax.sharding.Mesh]]:
   """(learner mesh, sampler mesh or None) from `config.mesh`.
 
