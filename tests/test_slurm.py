@@ -20,6 +20,7 @@ from slurm_cluster import SlurmCluster, SlurmUnavailable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 600
+STEPS = 10   # of the srun run; scancel lands a few steps after its first checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +61,41 @@ def _sbatch(cluster, env, *args):
 def _steps(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [r["step"] for r in map(json.loads, f) if "reward" in r]
+
+
+def test_srun_two_tasks_are_one_two_process_run_resumed_after_scancel(cluster, shared_run,
+                                                                      tmp_path):
+  workdir, out = str(tmp_path / "run"), str(tmp_path / "job_%j.out")
+  train = ["srun", "--ntasks=2", sys.executable, "-m", "trm_jax.train", "--config", "tiny_trm",
+           "--workdir", workdir, f"--config.total_steps={STEPS}", "--config.ckpt_every=1",
+           "--config.rl.batch_size=8", "--config.rl.group_size=4", "--config.eval_problems=0",
+           "--config.export_hf=False", *shared_run.cli_args()]
+  env = _job_env(cluster, shared_run)
+  job = _sbatch(cluster, env, "--ntasks=2", f"--output={out}", "--wrap",
+                subprocess.list2cmdline(train))
+  # Cancelled once the first checkpoint is written: the steps after it (a fraction of a second
+  # each) leave scancel time to land before the last one.
+  ckpt = os.path.join(workdir, "ckpt")
+  t0 = time.time()
+  while not (os.path.isdir(ckpt) and any(d.isdigit() and int(d) >= 1 for d in os.listdir(ckpt))):
+    assert time.time() - t0 < TIMEOUT, open(out.replace("%j", job)).read()[-3000:]
+    time.sleep(0.5)
+  subprocess.run(["scancel", job], env=env, check=True, timeout=30)
+  cluster.wait_job(job, 120)
+  first = open(out.replace("%j", job)).read()
+  assert "2 processes" in first, first[-3000:]          # one run of two processes
+  assert not os.path.exists(os.path.join(workdir, "summary.json"))
+  done_before = _steps(workdir)
+  assert done_before and done_before[-1] < STEPS
+
+  job2 = _sbatch(cluster, env, "--ntasks=2", f"--output={out}", "--wrap",
+                 subprocess.list2cmdline(train))
+  cluster.wait_job(job2, TIMEOUT)
+  second = open(out.replace("%j", job2)).read()
+  assert os.path.exists(os.path.join(workdir, "summary.json")), second[-3000:]
+  assert "resumed from step" in second and "2 processes" in second
+  steps = _steps(workdir)
+  assert steps[-1] == STEPS and sorted(set(steps)) == list(range(1, STEPS + 1))
 
 
 def _sweep(env, *args):
