@@ -68,7 +68,7 @@ from trm_jax import hlo_cost                    # noqa: E402
 from trm_jax import programs as programs_lib    # noqa: E402
 from trm_jax import sharding as shd             # noqa: E402
 from trm_jax.config import FILE_TASKS, ConfigError  # noqa: E402
-from trm_jax.kernels import tpu_aot             # noqa: E402
+from trm_jax.kernels import gpu_aot, tpu_aot    # noqa: E402
 from trm_jax.kernels.attention import resolve_impl  # noqa: E402
 from trm_jax.models import Decoder, ModelConfig  # noqa: E402
 from trm_jax.programs import device_bytes       # noqa: E402
@@ -87,6 +87,14 @@ KNOWN_MODELS = {
     # huggingface.co/Qwen/Qwen3-4B-Instruct-2507/blob/main/config.json
     "Qwen3-4B": dict(_QWEN3, hidden_size=2560, intermediate_size=9728, rope_theta=5000000.0,
                      tie_word_embeddings=True, max_position_embeddings=262144),
+    # huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json: 48 layers, every MLP a
+    # 128-expert top-8 MoE (decoder_sparse_step 1, no mlp_only_layers), 4 kv heads
+    "Qwen3-30B-A3B": dict(_QWEN3, model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_key_value_heads=4, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], rope_theta=1000000.0, tie_word_embeddings=False,
+                          max_position_embeddings=40960),
 }
 
 # What changes each program's per-chip memory, named in the report of a program that does
@@ -212,14 +220,15 @@ class Setup:
   sync: Optional[dict] = None     # disaggregated sampler: the parameter copy per rollout
 
 
-def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence) -> Setup:
+def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence,
+          platform: str = "tpu") -> Setup:
   """`programs.build` (what `step.make_context` builds for the trainer) over an abstract
-  model sharded on the topology's devices. Only the platform differs from a TPU host:
-  attn_impl="auto" resolves as it would there."""
+  model sharded on the topology's devices. Only the platform differs from a host of that
+  kind: attn_impl="auto" resolves as it would there ("tpu" or "gpu")."""
   mesh, sampler_mesh = meshes(c, devices)
   P, R = task_lengths(c)
   c = ml_collections.ConfigDict(c.to_dict())
-  c.model.attn_impl = impl = resolve_impl(c.model.attn_impl, "tpu")
+  c.model.attn_impl = impl = resolve_impl(c.model.attn_impl, platform)
   try:
     mcfg = ModelConfig.from_hf(hf, dtype=programs_lib.DTYPES[c.model.dtype],
                                remat=c.model.remat)
@@ -244,11 +253,17 @@ def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence) -> Setup:
 _OOM = re.compile(r"(?:required for HLO temporaries \(|Used )([\d.]+)([KMGT])")
 
 
-def measure(program: programs_lib.Program, *, chip: tpu_aot.ChipSpec, devices_per_chip: int,
-            hlo_dir: str = "") -> dict:
-  """Compiles one program and returns its row of the report."""
+def platform_of(topology: str) -> str:
+  """"gpu" for a named NVIDIA node ("h200:8", "h100:2x8"), else "tpu"."""
+  return "gpu" if topology.split(":", 1)[0].lower() in gpu_aot.GPUS else "tpu"
+
+
+def measure(program: programs_lib.Program, *, chip, devices_per_chip: int,
+            hlo_dir: str = "", mem_fraction: float = 1.0) -> dict:
+  """Compiles one program and returns its row of the report; it fits when its bytes stay
+  within `mem_fraction` of the chip's HBM (a GPU's jax preallocates a fraction of it)."""
   name = program.name
-  hbm = chip.hbm_bytes // devices_per_chip
+  hbm = int(chip.hbm_bytes * mem_fraction) // devices_per_chip
   peak = chip.peak_bf16_flops / devices_per_chip
   bw = chip.hbm_bytes_per_s / devices_per_chip
   row = {"program": name, "calls_per_step": program.calls, "per": program.per,
@@ -300,18 +315,28 @@ def measure(program: programs_lib.Program, *, chip: tpu_aot.ChipSpec, devices_pe
 
 def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
                    programs: Optional[Sequence[str]] = None, hlo_dir: str = "",
+                   gpu_mem_fraction: float = 0.75,
                    log: Callable[[str], None] = print) -> dict:
   """Compiles `programs` (default: every program the trainer runs for `c`) for `topology`;
   returns the report (see main)."""
   validate(c)
-  chip = tpu_aot.chip_spec(topology)
-  try:
-    devices = tpu_aot.topology_devices(topology)
-  except jax.errors.JaxRuntimeError as e:   # libtpu refuses the shape (e.g. "v5e:3x3")
-    raise ConfigError(f"topology {topology!r}: {str(e).splitlines()[0]}") from e
-  per_chip = max(1, len(devices) // tpu_aot.topology_chips(topology))
+  platform = platform_of(topology)
+  if platform == "gpu":
+    chip = gpu_aot.gpu_spec(topology)
+    try:
+      devices = gpu_aot.topology_devices(topology)
+    except RuntimeError as e:   # no CUDA plugin, or its topology factory is missing
+      raise ConfigError(str(e)) from e
+    per_chip = 1
+  else:
+    chip = tpu_aot.chip_spec(topology)
+    try:
+      devices = tpu_aot.topology_devices(topology)
+    except jax.errors.JaxRuntimeError as e:   # libtpu refuses the shape (e.g. "v5e:3x3")
+      raise ConfigError(f"topology {topology!r}: {str(e).splitlines()[0]}") from e
+    per_chip = max(1, len(devices) // tpu_aot.topology_chips(topology))
   t0 = time.time()
-  s = build(c, hf, devices)
+  s = build(c, hf, devices, platform)
   names = tuple(s.programs.programs)
   unknown = [p for p in programs or () if p not in names]
   if unknown:
@@ -326,7 +351,8 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
   rows = []
   for name in programs or names:
     log(f"[aot] {name}: compiling ...")
-    row = measure(s.programs[name], chip=chip, devices_per_chip=per_chip, hlo_dir=hlo_dir)
+    row = measure(s.programs[name], chip=chip, devices_per_chip=per_chip, hlo_dir=hlo_dir,
+                  mem_fraction=gpu_mem_fraction if platform == "gpu" else 1.0)
     log("[aot] " + describe(row))
     rows.append(row)
   fit = all(r["fits"] for r in rows)
@@ -337,11 +363,14 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
   return {
       "what": "per-device memory and loop-aware cost of the trainer's programs "
               "(programs.build), compiled ahead of time for a TPU topology (trm_jax.aot)",
-      "topology": topology, "devices": len(devices), "devices_per_chip": per_chip,
+      "topology": topology, "platform": platform, "devices": len(devices),
+      "devices_per_chip": per_chip,
+      "gpu_mem_fraction": gpu_mem_fraction if platform == "gpu" else None,
       "chip": dataclasses.asdict(chip), "mesh": dict(s.mesh.shape),
       "model": dataclasses.asdict(s.mcfg), "P": s.P, "R": s.R, "attn_impl": s.impl,
       "config": json.loads(c.to_json_best_effort()),
-      "jax_version": jax.__version__, "libtpu_version": _libtpu_version(),
+      "jax_version": jax.__version__, "libtpu_version": _libtpu_version("libtpu"),
+      "cuda_plugin_version": _libtpu_version("jax-cuda12-plugin"),
       "programs": rows, "fits": fit, "step_roofline_s": roofline("step"),
       "evaluation_roofline_s": roofline("evaluation"), "sync": s.sync,
       "sampler_mesh": dict(s.programs["rollout"].mesh.shape),
@@ -363,10 +392,10 @@ def describe(row: dict) -> str:
           f"{row['compile_s']}s, host peak {row['host_peak_rss_bytes'] / GiB:.1f} GiB")
 
 
-def _libtpu_version() -> str:
+def _libtpu_version(package: str) -> str:
   from importlib import metadata  # pylint: disable=g-import-not-at-top
   try:
-    return metadata.version("libtpu")
+    return metadata.version(package)
   except metadata.PackageNotFoundError:
     return "unknown"
 
@@ -387,6 +416,9 @@ def main(argv: Sequence[str]) -> int:
                             "trainer runs for the config)", flag_values=fv)
   out = flags.DEFINE_string("out", "", "report path (default aot_<config>_<topology>.json)",
                             flag_values=fv)
+  mem_fraction = flags.DEFINE_float(
+      "gpu_mem_fraction", 0.75, "a GPU topology's usable share of HBM (jax preallocates 75%% "
+      "by default: XLA_PYTHON_CLIENT_MEM_FRACTION)", flag_values=fv)
   hlo_dir = flags.DEFINE_string("hlo_dir", "", "also write each program's optimized HLO "
                                 "(one device's program) into this directory", flag_values=fv)
   try:
@@ -402,21 +434,31 @@ def main(argv: Sequence[str]) -> int:
     finally:
       sys.argv = saved
     if not topo.value:
-      raise ConfigError("--topology is required, e.g. v5p:4x4x4, v6e:16x16, v5e:2x2")
-    if not tpu_aot.libtpu_available():
+      raise ConfigError("--topology is required, e.g. v5p:4x4x4, v6e:16x16, v5e:2x2, h200:8")
+    gpu = platform_of(topo.value) == "gpu"
+    if gpu:
+      ok, why = gpu_aot.gpu_aot_available()
+      if not ok:
+        print(f"error: trm_jax.aot for {topo.value}: {why}", file=sys.stderr)
+        return 2
+    elif not tpu_aot.libtpu_available():
       print("error: trm_jax.aot needs libtpu (TPU compiler): pip install -e '.[tpu]'",
             file=sys.stderr)
       return 2
     try:
-      tpu_aot.chip_spec(topo.value)
-      tpu_aot.topology_chips(topo.value)
+      if gpu:
+        gpu_aot.gpu_spec(topo.value)
+        gpu_aot.topology_gpus(topo.value)
+      else:
+        tpu_aot.chip_spec(topo.value)
+        tpu_aot.topology_chips(topo.value)
     except ValueError as e:
       raise ConfigError(str(e)) from e
     c = cfg.value
     hf, source = resolve_model(c, model.value, spec.partition(":")[0])
     print(f"[aot] config {spec}; model {source}", flush=True)
     report = compile_config(c, topo.value, hf, programs=progs.value or None,
-                            hlo_dir=hlo_dir.value,
+                            hlo_dir=hlo_dir.value, gpu_mem_fraction=mem_fraction.value,
                             log=lambda m: print(m, flush=True))
   except (ConfigError, flags.Error) as e:
     print(f"error: {e}", file=sys.stderr)
