@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import os
 import sys
@@ -52,13 +53,12 @@ def update_row(c, topology: str, *, causal: bool = False) -> dict:
   so every track attends causally)."""
   devices = tpu_aot.topology_devices(topology)
   s = aot.build(c, dict(aot.KNOWN_MODELS["Qwen3-4B"], num_hidden_layers=LAYERS), devices)
-  fn, args, resident, calls, mesh = s.programs["update"]
+  program = s.programs["update"]
   if causal:
-    args = (*args[:3], args[3].replace(evicted_at=None))
-  row = aot.measure("update", fn, args, resident, calls, mesh=mesh,
-                    chip=tpu_aot.chip_spec(topology),
-                    devices_per_chip=max(1, len(devices) // tpu_aot.topology_chips(topology)),
-                    default_trips=None)
+    args = program.args
+    program = dataclasses.replace(program, args=(*args[:3], args[3].replace(evicted_at=None)))
+  row = aot.measure(program, chip=tpu_aot.chip_spec(topology),
+                    devices_per_chip=max(1, len(devices) // tpu_aot.topology_chips(topology)))
   row.pop("loops", None)
   return row
 
