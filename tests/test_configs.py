@@ -44,6 +44,11 @@ def _with_data_paths(c):
       config_lib.validate(c)
     c.task.path = "/data/train.parquet"
     c.task.eval_path = "/data/eval.jsonl" if c.task.eval_name else ""
+    # Their model too: without it the tiny warm-up model (512 positions) would be trained,
+    # and validate refuses their prompt + response lengths for it.
+    with pytest.raises(config_lib.ConfigError, match="max_position_embeddings=512"):
+      config_lib.validate(c)
+    c.model.path = "/ckpt/model"
   return c
 
 
@@ -225,6 +230,63 @@ def test_validate_names_the_key(key, value, msg):
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.validate(c)
   assert msg in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    # Each of these was accepted by validate() and failed only once the model had loaded or
+    # the first step compiled, with a message naming no key (issue 22, items 7, 8 and 12).
+    ({"rollout.top_k": -3}, "bad config value [rollout.top_k]: must be an integer >= 0, got -3"),
+    ({"rollout.keep_full_logprobs": False, "rollout.keep_topk_logprobs": 64},
+     "bad config value [rollout.keep_topk_logprobs]: 64 is more than the model's "
+     "vocab_size=31"),
+    ({"task.synthetic.min_operands": 5, "task.synthetic.max_operands": 3},
+     "inconsistent config [task.synthetic.min_operands, task.synthetic.max_operands]: "
+     "min_operands=5 > max_operands=3"),
+    ({"seed": -1}, "bad config value [seed]: must be an integer >= 0, got -1"),
+    ({"optim.b1": 1.5}, "bad config value [optim.b1]: must be in [0, 1) (an Adam moment "
+     "decay), got 1.5"),
+    ({"rl.objective": "ppo_clip", "rl.clip_eps_low": -0.2},
+     "bad config value [rl.clip_eps_low]: must be in [0, 1) (rl.objective='ppo_clip'), got "
+     "-0.2"),
+    ({"rl.objective": "tis", "rl.tis_cap": 0.0},
+     "bad config value [rl.tis_cap]: must be >= 1 (rl.objective='tis'; a cap below 1 "
+     "down-weights on-policy tokens), got 0.0"),
+    ({"warmup.steps": 0}, "bad config value [warmup.steps]: must be an integer >= 1, got 0"),
+    ({"task.max_new_tokens": 100000},
+     "bad config value [task.max_new_tokens]: 100000 tokens alone are more than the model's "
+     "max_position_embeddings=512"),
+    ({"task.max_prompt_len": 300, "task.max_new_tokens": 300},
+     "inconsistent config [task.max_prompt_len, task.max_new_tokens]: prompts of 300 tokens "
+     "+ 300 new tokens need 600 positions, more than the model's max_position_embeddings=512"),
+    ({"eval_problems": 100000000},
+     "bad config value [eval_problems]: 100000000 held-out problems, but task.synthetic can "
+     "draw only 49659521 distinct problems; lower eval_problems"),
+])
+def test_validate_refuses_what_the_trainer_would_reject_later(overrides, msg):
+  c = _load("tiny_trm.py")
+  for key, value in overrides.items():
+    *parents, field = key.split(".")
+    node = c
+    for p in parents:
+      node = node[p]
+    node[field] = value
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  assert str(e.value) == msg
+
+
+def test_positions_are_checked_against_model_path_config_json(tmp_path):
+  """With model.path the limits come from its config.json, before any weight is read."""
+  (tmp_path / "config.json").write_text('{"max_position_embeddings": 64, "vocab_size": 40}')
+  c = _load("tiny_trm.py")
+  c.model.path = str(tmp_path)
+  c.task.max_new_tokens = 65
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  assert str(e.value) == ("bad config value [task.max_new_tokens]: 65 tokens alone are more "
+                          "than the model's max_position_embeddings=64")
+  c.task.max_new_tokens = 0
+  config_lib.validate(c)
 
 
 def test_max_staleness_below_staleness_is_refused():

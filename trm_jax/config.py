@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import math
 import os
 from typing import Iterable, Optional, Sequence
@@ -281,3 +282,113 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(0.0 < c.eval_top_p <= 1.0, ["eval_top_p"], "must be in (0, 1]")
   _require(c.eval_temperature > 0.0, ["eval_temperature"], "must be > 0")
   _require(c.rollout.temperature > 0.0, ["rollout.temperature"], "must be > 0")
+  _validate_values(c)
+  check_model_fit(c, **_known_model_limits(c))
+
+
+def _int_at_least(c: ml_collections.ConfigDict, lo: int, *keys: str) -> None:
+  for key in keys:
+    v = _get(c, key)
+    _require(isinstance(v, int) and not isinstance(v, bool) and v >= lo, [key],
+             f"must be an integer >= {lo}, got {v!r}")
+
+
+def _validate_values(c: ml_collections.ConfigDict) -> None:
+  """The values that the sampler, the optimizer, the objectives and the warm-up would reject
+  only once the model has loaded or the first step compiles (their own checks stay: they
+  guard the library API; these name the config key)."""
+  _int_at_least(c, 0, "seed", "rollout.top_k", "rollout.keep_topk_logprobs")
+  o = c.optim
+  for key in ("optim.b1", "optim.b2"):
+    v = _get(c, key)
+    _require(isinstance(v, (int, float)) and 0.0 <= v < 1.0, [key],
+             f"must be in [0, 1) (an Adam moment decay), got {v!r}")
+  _require(o.eps > 0, ["optim.eps"], f"must be > 0, got {o.eps!r}")
+  _require(o.min_lr_ratio <= 1.0, ["optim.min_lr_ratio"],
+           f"must be in [0, 1], got {o.min_lr_ratio!r}")
+  _require(o.clip_norm > 0, ["optim.clip_norm"],
+           f"must be > 0 (the global-norm clip), got {o.clip_norm!r}")
+  r = c.rl
+  # The objective's own parameters, checked when that objective is the one trained with.
+  if r.objective == "ppo_clip":
+    _require(0.0 <= r.clip_eps_low < 1.0, ["rl.clip_eps_low"],
+             f"must be in [0, 1) (rl.objective='ppo_clip'), got {r.clip_eps_low!r}")
+    _require(r.clip_eps_high >= 0.0, ["rl.clip_eps_high"],
+             f"must be >= 0 (rl.objective='ppo_clip'), got {r.clip_eps_high!r}")
+    _require(r.dual_clip_c > 1.0, ["rl.dual_clip_c"],
+             f"must be > 1 (rl.objective='ppo_clip'), got {r.dual_clip_c!r}")
+  if r.objective == "tis":
+    _require(r.tis_cap >= 1.0, ["rl.tis_cap"],
+             f"must be >= 1 (rl.objective='tis'; a cap below 1 down-weights on-policy "
+             f"tokens), got {r.tis_cap!r}")
+  s = c.task.synthetic
+  if c.task.name == "synthetic" or not c.model.path:   # the warm-up trains on it too
+    _require(s.min_operands >= 2, ["task.synthetic.min_operands"],
+             f"must be >= 2, got {s.min_operands!r}")
+    _require(s.max_operands >= s.min_operands,
+             ["task.synthetic.min_operands", "task.synthetic.max_operands"],
+             f"min_operands={s.min_operands} > max_operands={s.max_operands}")
+    _require(0 <= s.min_value <= s.max_value,
+             ["task.synthetic.min_value", "task.synthetic.max_value"],
+             f"need 0 <= min_value <= max_value, got {s.min_value}, {s.max_value}")
+    _require(s.show_every >= 0 and s.filler >= 0,
+             ["task.synthetic.show_every", "task.synthetic.filler"], "must be >= 0")
+    _require(s.answer_format in ("####", "boxed"), ["task.synthetic.answer_format"],
+             f"unknown value {s.answer_format!r}; expected one of ####, boxed")
+  if c.task.name == "synthetic":
+    n = synthetic_problem_count(s)
+    _require(c.eval_problems <= n, ["eval_problems"],
+             f"{c.eval_problems} held-out problems, but task.synthetic can draw only {n} "
+             "distinct problems; lower eval_problems")
+  if not c.model.path:   # the warm-up builds the base model
+    _positive_int(c, "warmup.steps", "warmup.batch_size")
+    _non_negative(c, "warmup.lr")
+
+
+def synthetic_problem_count(s: ml_collections.ConfigDict) -> int:
+  """Distinct problems of the synthetic task: operand values ^ operands (x operator choices)."""
+  values = s.max_value - s.min_value + 1
+  ops = 2 if s.allow_subtraction else 1
+  return sum(values ** k * ops ** (k - 1) for k in range(s.min_operands, s.max_operands + 1))
+
+
+def _known_model_limits(c: ml_collections.ConfigDict) -> dict:
+  """What `check_model_fit` can check before the model loads: the warm-up model's positions
+  (from model.arch), or the ones in model.path's config.json if it is there and readable
+  (a broken one is reported, with the file named, when the model loads)."""
+  if not c.model.path:
+    from trm_jax.data import synthetic  # pylint: disable=g-import-not-at-top
+    # The warm-up model's vocabulary is the synthetic tokenizer's (warmup.build_base_model).
+    vocab = len(synthetic.SPECIAL_TOKENS) + len(dict.fromkeys(synthetic.ALPHABET))
+    return {"max_positions": c.model.arch.max_position_embeddings, "vocab_size": vocab}
+  try:
+    with open(os.path.join(os.path.expanduser(c.model.path), "config.json")) as f:
+      hf = json.load(f)
+    hf = hf if isinstance(hf, dict) else {}
+    return {"max_positions": hf.get("max_position_embeddings"),
+            "vocab_size": hf.get("vocab_size")}
+  except (OSError, ValueError):
+    return {"max_positions": None, "vocab_size": None}
+
+
+def check_model_fit(c: ml_collections.ConfigDict, *, max_positions, vocab_size,
+                    prompt_len: int = 0, new_tokens: int = 0) -> None:
+  """Prompt + new tokens against the model's positions, and the rollout's top-k sizes against
+  its vocabulary. Run by `validate` with what the config alone tells (explicit lengths, the
+  warm-up arch or model.path's config.json), and by the trainer again once the model is
+  loaded and the task has derived its lengths. None = not known yet (skipped)."""
+  P = prompt_len or c.task.max_prompt_len
+  R = new_tokens or c.task.max_new_tokens
+  if max_positions and P + R > max_positions:
+    if P and R:
+      _require(False, ["task.max_prompt_len", "task.max_new_tokens"],
+               f"prompts of {P} tokens + {R} new tokens need {P + R} positions, more than "
+               f"the model's max_position_embeddings={max_positions}")
+    key = "task.max_prompt_len" if P else "task.max_new_tokens"
+    _require(False, [key], f"{P or R} tokens alone are more than the model's "
+             f"max_position_embeddings={max_positions}")
+  if vocab_size:
+    for key in ("rollout.top_k", "rollout.keep_topk_logprobs"):
+      v = _get(c, key)
+      _require(v <= vocab_size, [key],
+               f"{v} is more than the model's vocab_size={vocab_size}")
