@@ -91,6 +91,31 @@ def test_resume_drops_later_lines_and_appends(tmp_path):
                                "reward": 9.0}]
 
 
+@pytest.mark.parametrize("with_record", [True, False])
+def test_a_torn_last_line_is_repaired_on_resume(tmp_path, with_record):
+  """Issue 22's case: ckpt_every=1, killed right after the 5th metrics line, that line cut in
+  half by the crash. Before, every parsed row was at or before the resumed step, so the file
+  was left as it was: step 5 gone, step 6 glued to the fragment."""
+  records = []
+  with MetricsLogger(tmp_path, total_steps=10, enable_progress=False, tb=False) as logger:
+    for step in range(1, 6):
+      records.append(logger.log(step, {"reward": step / 10}))
+  path = tmp_path / "metrics.jsonl"
+  text = path.read_text()
+  last = text.splitlines(keepends=True)[-1]
+  path.write_text(text[:len(text) - len(last)] + last[:len(last) // 2])   # no newline
+  # The checkpoint of step 5 holds the record of its line (what the trainer stores).
+  with MetricsLogger(tmp_path, total_steps=10, enable_progress=False, tb=False,
+                     resume_step=5, resume_record=records[-1] if with_record else None) as lg:
+    for step in (6, 7):
+      lg.log(step, {"reward": 1.0})
+  lines = _lines(tmp_path)   # every line parses: nothing glued to the fragment
+  if with_record:
+    assert lines[:5] == records and [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6, 7]
+  else:   # a checkpoint without the record (older version): the torn row cannot come back
+    assert lines[:4] == records[:4] and [r["step"] for r in lines] == [1, 2, 3, 4, 6, 7]
+
+
 def test_resume_purges_later_tensorboard_events(tmp_path):
   with MetricsLogger(tmp_path, total_steps=5, enable_progress=False) as logger:
     for step in range(1, 4):

@@ -15,7 +15,9 @@ Resume: open the logger with `resume_step` = the step of the restored checkpoint
 step > resume_step (written after that checkpoint, by the run that died) are dropped and the
 file is appended from there, so the resumed run leaves exactly one line per step; TensorBoard
 gets `purge_step = resume_step + 1`, which hides the dead run's later events. A line torn by a
-crash mid-write is dropped with a warning. `resume_step=None` (a fresh start) clears old lines
+crash mid-write is dropped with a warning and the file rewritten without it; when that line
+was the resumed step's own, `resume_record` (the copy the checkpoint holds) takes its place,
+so the file again holds exactly the rows the checkpoint covers. `resume_step=None` (a fresh start) clears old lines
 and hides all old TensorBoard events (purge_step 0).
 
 TensorBoard tags are the metric names with `*` spelled `_star` and any other character
@@ -98,7 +100,7 @@ class MetricsLogger:
 
   def __init__(self, workdir: str, *, total_steps: int, enable_progress: bool = True,
                tb: bool = True, progress_keys: Sequence[str] = DEFAULT_PROGRESS_KEYS,
-               resume_step: Optional[int] = None):
+               resume_step: Optional[int] = None, resume_record: Optional[dict] = None):
     if total_steps < 1:
       raise ValueError(f"MetricsLogger total_steps={total_steps}; must be >= 1")
     if resume_step is not None and resume_step < 0:
@@ -112,7 +114,7 @@ class MetricsLogger:
     if not self._active:
       return
     os.makedirs(self.workdir, exist_ok=True)
-    self._truncate_after(self._last_step)
+    self._truncate_after(self._last_step, resume_record)
     self._file = open(self.path, "a")
     if tb:
       from tensorboardX import SummaryWriter  # Imported here: heavy, and optional for callers.
@@ -130,23 +132,40 @@ class MetricsLogger:
       self._bar = tqdm(total=total_steps, initial=max(self._last_step, 0), unit="step",
                        dynamic_ncols=True)
 
-  def _truncate_after(self, resume_step: int) -> None:
-    """Keeps the lines with step <= resume_step (-1: none); rewrites via tmp file + rename."""
+  def _truncate_after(self, resume_step: int, resume_record: Optional[dict]) -> None:
+    """Rewrites the file to the rows the resumed checkpoint covers (via tmp file + rename):
+    the parseable lines with step <= resume_step (-1: none), then `resume_record`, the
+    checkpoint's copy of its own step's line, if that line is not among them (torn by the
+    crash). Left alone when it already is exactly that, so a clean resume rewrites nothing.
+    """
     if not os.path.exists(self.path):
       return
+    with open(self.path) as f:
+      lines = f.read().splitlines(keepends=True)
     records = read_metrics(self.path)
     kept = [r for r in records if isinstance(r.get("step"), int) and r["step"] <= resume_step]
-    if len(kept) == len(records):
+    if (resume_record is not None and resume_record.get("step") == resume_step and
+        not any(r["step"] == resume_step for r in kept)):
+      kept.append(resume_record)
+      log.warning("%s: the line of step %d was lost (a crash mid-write?); restored it from "
+                  "checkpoint step %d", self.path, resume_step, resume_step)
+    # Unchanged only if every line parsed, each is kept, and the last ends with a newline (a
+    # fragment without one would glue the next step's line to itself).
+    if (len(kept) == len(records) == sum(1 for ln in lines if ln.strip()) and
+        (not lines or lines[-1].endswith("\n"))):
       return
-    log.info("%s: dropping %d lines after resumed step %d", self.path,
-             len(records) - len(kept), resume_step)
+    log.info("%s: rewriting to the %d lines up to resumed step %d (was %d lines)", self.path,
+             len(kept), resume_step, len(lines))
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(tmp, self.path)
 
-  def log(self, step: int, metrics: Mapping[str, float]) -> None:
-    """Writes one step: a JSON line (null for non-finite), TB scalars (finite only), the bar."""
+  def log(self, step: int, metrics: Mapping[str, float]) -> Optional[dict]:
+    """Writes one step: a JSON line (null for non-finite), TB scalars (finite only), the bar.
+
+    Returns the JSON record written (None on processes other than 0); the trainer stores it
+    with the step's checkpoint, from which a resume restores a line torn by a crash."""
     step = int(step)
     if self._active and self._file is None:
       raise RuntimeError(f"MetricsLogger.log(step={step}) after close() ({self.path})")
@@ -159,8 +178,9 @@ class MetricsLogger:
     values = {k: _finite_or_none(k, v) for k, v in metrics.items()}
     self._last_step = step
     if not self._active:
-      return
-    self._file.write(json.dumps({"step": step, "wall_time": time.time(), **values}) + "\n")
+      return None
+    record = {"step": step, "wall_time": time.time(), **values}
+    self._file.write(json.dumps(record) + "\n")
     self._file.flush()  # A crash loses at most the line being written.
     if self._writer is not None:
       for k, v in values.items():
@@ -170,6 +190,7 @@ class MetricsLogger:
       self._bar.set_postfix({k: "nan" if values[k] is None else f"{values[k]:.4g}"
                              for k in self._progress_keys if k in values}, refresh=False)
       self._bar.update(step - self._bar.n)
+    return record
 
   def close(self) -> None:
     """Flushes and closes the file, the event writer and the bar; safe to call twice."""
