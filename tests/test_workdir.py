@@ -111,6 +111,39 @@ def test_read_only_workdir(read_only_dir):
   assert _last_line(p).startswith(f"error: --workdir {read_only_dir / 'sub'} cannot be created")
 
 
+def test_a_full_disk_at_start_is_one_line(tmp_path):
+  """A workdir on a filesystem with no space left: the lock's record cannot be written (the
+  empty probe file of `prepare` still can). A real full tmpfs as root; elsewhere a file size
+  limit of 0 bytes makes the same write fail (EFBIG instead of ENOSPC)."""
+  path = tmp_path / "full"
+  path.mkdir()
+  if os.geteuid() == 0 and subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)]).returncode == 0:
+    try:
+      fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT)
+      with pytest.raises(OSError):   # fill it up
+        while True:
+          os.write(fd, b"\0" * 4096)
+      os.close(fd)
+      p = _train_cli(str(path))
+    finally:
+      subprocess.run(["umount", str(path)], check=True)
+    reason = "No space left on device"
+  else:
+    code = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN);"
+            " resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY));"
+            " sys.argv = ['trm_jax.train'] + sys.argv[1:];"
+            " runpy.run_module('trm_jax.train', run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code, "--workdir", str(path),
+                        "--config.total_steps=2"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    reason = "File too large"
+  assert p.returncode == 1
+  assert _last_line(p) == (f"error: cannot write {path}/.lock: {reason} (is the disk holding "
+                           f"{path} full?)")
+  assert "Traceback" not in p.stderr
+
+
 def test_config_changes_name_trajectory_keys_only():
   old = {"seed": 0, "log_every": 1, "optim": {"lr": 3e-5, "b1": 0.9}, "mesh": {"data": -1},
          "trm": {"criteria": ["trm_max_kl"]}, "eval_every": 50}

@@ -175,8 +175,9 @@ def _check_structure(record: dict, abstract, directory: str, step: int) -> None:
   detail = [f"missing from checkpoint: {missing[:5]}"] if missing else []
   detail += [f"not in abstract_state: {extra[:5]}"] if extra else []
   detail += [f"{k}: checkpoint {have[k]}, abstract_state {want[k]}" for k in differ[:5]]
-  raise ValueError(f"checkpoint {directory}/{step} does not match abstract_state (did the model "
-                   "or optimizer config change?): " + "; ".join(detail))
+  raise CheckpointStructureError(
+      f"checkpoint {directory}/{step} does not match abstract_state (did the model or "
+      "optimizer config change?): " + "; ".join(detail), step=step)
 
 
 def _verify(state, record: dict) -> None:
@@ -204,9 +205,33 @@ def _check_meta(meta) -> None:
 # --- the checkpointer ---------------------------------------------------------------------
 
 
+class _QuietOrbaxErrors(logging.Filter):
+  """Keeps orbax's ERROR records (a failed background save logs one traceback per thread it
+  ran: four for one full disk) off the console, re-logged here at DEBUG: the
+  `CheckpointSaveError` this module raises says the same in one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname:
+      return True
+    log.debug("orbax: %s", record.getMessage(), exc_info=record.exc_info)
+    return False
+
+
+_QUIET = _QuietOrbaxErrors()
+
+
+class CheckpointStructureError(ValueError):
+  """A checkpoint's tree differs from the abstract state it is restored into (a caller
+  error, e.g. a changed model or staleness; never a fallback); `step` names the checkpoint."""
+
+  def __init__(self, message: str, *, step: int):
+    super().__init__(message)
+    self.step = step
+
+
 class CheckpointSaveError(RuntimeError):
   """A checkpoint could not be written; the one-line message names the step, the directory and
-  the root cause. The full traceback is in orbax's log (background save) or chained."""
+  the root cause. orbax's tracebacks are logged at DEBUG (`trm_jax.checkpoint`), or chained."""
 
 
 class Checkpointer:
@@ -232,6 +257,7 @@ class Checkpointer:
       raise ValueError(f"Checkpointer keep={keep}; must be >= 1")
     self.directory = os.path.abspath(os.fspath(directory))
     self._in_flight: Optional[int] = None  # step of the last save started and not yet checked
+    logging.getLogger("absl").addFilter(_QUIET)  # orbax logs through absl; added once
     options = ocp.CheckpointManagerOptions(
         # The policies alone: `save_interval_steps` would add orbax's InitialSavePolicy (save
         # the first step of a fresh run), and `max_to_keep` is deprecated for LatestN.
@@ -289,7 +315,8 @@ class Checkpointer:
     jax.Arrays. Newer checkpoints that fail to restore or to verify are skipped with a warning
     naming the step and the reason, then deleted (through orbax) so the resumed run can write
     those step numbers again. Raises RuntimeError naming the directory if checkpoints exist but
-    none is good, and ValueError if a checkpoint's tree does not match `abstract_state`.
+    none is good, and `CheckpointStructureError` (a ValueError) if a checkpoint's tree does not
+    match `abstract_state`.
     """
     self._wait()  # a save of ours in flight is not yet a step
     self._manager.reload()  # pick up steps written by a previous process
@@ -316,6 +343,15 @@ class Checkpointer:
       return step, state, meta
     raise RuntimeError(f"no usable checkpoint in {self.directory}: steps {steps} all failed to "
                        "restore or verify (see the warnings above)")
+
+  def read_meta(self, step: int) -> Optional[dict]:
+    """The `meta` dict saved with `step`, without its arrays; None if it cannot be read."""
+    try:
+      meta = self._manager.restore(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore()))["meta"]
+    except Exception:  # pylint: disable=broad-except  (a damaged step: no meta to offer)
+      return None
+    return meta if isinstance(meta, dict) else None
 
   def _restore_verified(self, step: int, abstract):
     try:

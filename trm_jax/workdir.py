@@ -73,25 +73,31 @@ class WorkdirLock:
     lock.release()                # or let the process exit: the kernel releases it
   """
 
-  def __init__(self, workdir: str):
-    self.path = os.path.join(workdir, LOCK_FILE)
+  def __init__(self, workdir: str, *, name: str = LOCK_FILE, holder: str = "trainer"):
+    """`name`: the lock file; `holder`: what holds it, in the refusal ("another trainer")."""
+    self.path = os.path.join(workdir, name)
     # Opened without truncation: the holder's record must survive a refused second opener.
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      holder = _read_holder(fd)
+      what, holder = holder, _read_holder(fd)
       os.close(fd)
       raise WorkdirError(
-          f"another trainer is running in {workdir} ({holder}); wait for it to finish or stop "
+          f"another {what} is running in {workdir} ({holder}); wait for it to finish or stop "
           f"it, or use another --workdir") from None
     except OSError as e:
       os.close(fd)
       raise WorkdirError(f"cannot lock {self.path}: {e.strerror or e}") from e
     record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                          "started": time.strftime("%Y-%m-%d %H:%M:%S")})
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, record.encode(), 0)
+    try:
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, record.encode(), 0)
+    except OSError as e:  # a full disk or quota (the lock itself is held: the write failed)
+      os.close(fd)
+      raise WorkdirError(f"cannot write {self.path}: {e.strerror or e} (is the disk holding "
+                         f"{workdir} full?)") from None
     self._fd: Optional[int] = fd
 
   def release(self) -> None:
