@@ -165,6 +165,34 @@ def test_bad_overrides_fail_before_anything_runs(tmp_path):
   assert rc == 2 and "expected key=v1,v2" in out
 
 
+@pytest.mark.parametrize("aggregate", [False, True])
+def test_a_corrupt_plan_is_one_line(tmp_path, capsys, aggregate):
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  (workdir / sweep.PLAN).write_text('{"config": "x", "cells": {"a": [[')   # torn write
+  args = ["--aggregate"] if aggregate else ["--config", CONFIG, "--grid", "seed=0"]
+  assert sweep.main(["--workdir", str(workdir), *args]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [f"error: {workdir / sweep.PLAN} is not valid JSON (line 1 column 34: Expecting "
+                 "value); it is the sweep's plan: restore it, or rerun the sweep in another "
+                 "--workdir"]
+  assert not (workdir / "cells").exists()
+
+
+def test_a_second_sweep_on_one_workdir_is_refused(tmp_path, capsys):
+  """Before, each cell of the second sweep was refused by the cell's own lock, and the
+  second sweep exited 0 as if it had run them."""
+  workdir = str(tmp_path / "w")
+  os.makedirs(workdir)
+  with wd.WorkdirLock(workdir, name=sweep.LOCK, holder="sweep"):   # the first sweep
+    rc = sweep.main(["--config", CONFIG, "--workdir", workdir, "--grid", "seed=0,1"])
+  assert rc == 2
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert err.startswith(f"error: another sweep is running in {workdir} (pid {os.getpid()} on ")
+  assert err.endswith("); wait for it to finish or stop it, or use another --workdir")
+  assert not os.path.exists(os.path.join(workdir, sweep.PLAN))   # nothing planned or run
+
+
 def test_crashing_cell_is_reported_and_others_unaffected(tmp_path):
   workdir = str(tmp_path / "w")
   cells = [sweep.Cell("missing", (("model.path", str(tmp_path / "no_such_checkpoint")),))]

@@ -56,6 +56,7 @@ from trm_jax.metrics import RESERVED_KEYS, read_metrics, rolling_mean, series
 
 PLAN = "sweep.json"
 RESULTS = "results.csv"
+LOCK = ".sweep.lock"  # one sweep runner per workdir (its cells lock their own directories)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +146,7 @@ def apply_overrides(c, overrides: Iterable[tuple[str, Any]]):
 def cell_config(spec: str, overrides: Iterable[tuple[str, Any]]):
   c = apply_overrides(config_lib.load_config(spec), overrides)
   config_lib.validate(c)
+  config_lib.check_task_files(c.task)
   return c
 
 
@@ -170,8 +172,7 @@ def _check_plan(workdir: str, spec: str, cells: Sequence[Cell]) -> None:
   new = {c.name: [list(kv) for kv in c.overrides] for c in cells}
   plan = {"config": spec, "cells": {}}
   if os.path.exists(path):
-    with open(path) as f:
-      plan = json.load(f)
+    plan = _read_plan(path)
     if plan["config"] != spec:
       raise config_lib.ConfigError(
           f"{path} was planned with --config {plan['config']!r}, not {spec!r}; use another "
@@ -187,9 +188,29 @@ def _check_plan(workdir: str, spec: str, cells: Sequence[Cell]) -> None:
   wd.write_json_atomic(path, plan)
 
 
+def _read_plan(path: str) -> dict:
+  """WORKDIR/sweep.json; one-line errors for a missing, unreadable or damaged file."""
+  try:
+    with open(path) as f:
+      plan = json.load(f)
+  except FileNotFoundError:
+    raise config_lib.ConfigError(f"{path} does not exist: no sweep was planned in this "
+                                 "--workdir") from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise config_lib.ConfigError(f"{path} cannot be read: {e}") from None
+  except json.JSONDecodeError as e:
+    raise config_lib.ConfigError(
+        f"{path} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg}); it is the "
+        "sweep's plan: restore it, or rerun the sweep in another --workdir") from None
+  if not (isinstance(plan, dict) and isinstance(plan.get("config"), str) and
+          isinstance(plan.get("cells"), dict)):
+    raise config_lib.ConfigError(f"{path} is not a sweep plan (expected an object with "
+                                 "'config' and 'cells')")
+  return plan
+
+
 def load_plan(workdir: str) -> tuple[str, list[Cell]]:
-  with open(os.path.join(workdir, PLAN)) as f:
-    plan = json.load(f)
+  plan = _read_plan(os.path.join(workdir, PLAN))
   return plan["config"], [Cell(n, tuple(tuple(kv) for kv in ov))
                           for n, ov in plan["cells"].items()]
 
@@ -420,6 +441,9 @@ def _run_cell(d: str, parent_pid: Optional[int]) -> int:
   except train.USER_ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+  except train.preemption.Preempted as e:   # checkpointed; the sweep's rerun resumes it
+    print(str(e), file=sys.stderr)
+    return e.code
   return 0
 
 
@@ -584,21 +608,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--config is required to run a sweep")
       fixed = [("", {k: _literal(v) for k, _, v in (s.partition("=") for s in a.set)})]
       cells = product(fixed, *[parse_grid_arg(g) for g in a.grid])
-      if a.backend == "slurm":
-        plan_sweep(a.config, cells, a.workdir)
-        job = submit_slurm(a.config, cells, a.workdir, processes=a.processes,
-                           parallel=a.parallel if a.parallel > 1 else 0,
-                           sbatch_args=a.sbatch_arg, wait=a.wait, env=_env(a.workdir, None))
-        if not a.wait:
-          if job:
-            print(f"[sweep] collect with: python -m trm_jax.sweep --workdir {a.workdir} "
-                  "--aggregate")
-          return 0
-      else:
-        run_sweep(a.config, cells, a.workdir, parallel=a.parallel,
-                  threads_per_cell=a.threads_per_cell)
+      os.makedirs(a.workdir, exist_ok=True)
+      # A second sweep on the same workdir would launch the same cells: each cell's own lock
+      # refuses its duplicate, but that sweep would then exit as if it had run them.
+      with wd.WorkdirLock(a.workdir, name=LOCK, holder="sweep"):
+        if a.backend == "slurm":
+          plan_sweep(a.config, cells, a.workdir)
+          job = submit_slurm(a.config, cells, a.workdir, processes=a.processes,
+                             parallel=a.parallel if a.parallel > 1 else 0,
+                             sbatch_args=a.sbatch_arg, wait=a.wait,
+                             env=_env(a.workdir, None))
+          if not a.wait:
+            if job:
+              print(f"[sweep] collect with: python -m trm_jax.sweep --workdir {a.workdir} "
+                    "--aggregate")
+            return 0
+        else:
+          run_sweep(a.config, cells, a.workdir, parallel=a.parallel,
+                    threads_per_cell=a.threads_per_cell)
     rows = aggregate(a.workdir)
-  except config_lib.ConfigError as e:
+  except (config_lib.ConfigError, wd.WorkdirError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   plot_grouped(a.workdir, a.plot.split(","), os.path.join(a.workdir, "curves.png"))
