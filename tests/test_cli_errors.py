@@ -144,3 +144,106 @@ def test_the_cli_prints_one_line(checkpoint, tmp_path):
   assert p.returncode == 1
   assert p.stderr.strip().splitlines()[-1] == f"error: {data}: no rows (the file is empty)"
   assert "Traceback" not in p.stderr
+
+
+# --- refused before the model loads ---------------------------------------------------------
+@pytest.mark.parametrize("which", ["path", "eval_path"])
+def test_a_missing_data_path_names_the_key(checkpoint, gsm8k, tmp_path, which):
+  """Refused before the workdir is touched (before: a FileNotFoundError once the model had
+  loaded). A directory is a `datasets` source (data/loaders.py), not an error here."""
+  c = _config(checkpoint, gsm8k)
+  bad = tmp_path / "nope.jsonl"
+  c.task[which] = str(bad)
+  with pytest.raises(train.USER_ERRORS) as e:
+    train.run(c, str(tmp_path / "w"), progress=False)
+  assert str(e.value) == (f"bad config value [task.{which}]: {bad} does not exist (neither a "
+                          "local file or directory nor a Hugging Face dataset id)")
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_a_batch_the_mesh_does_not_divide_is_refused(checkpoint, gsm8k, tmp_path):
+  """12 rows on the 8-way data mesh were replicated on every device, silently."""
+  c = _config(checkpoint, gsm8k)
+  c.rl.batch_size, c.rl.group_size = 12, 4
+  with pytest.raises(train.USER_ERRORS) as e:
+    train.run(c, str(tmp_path / "w"), progress=False)
+  assert str(e.value) == (
+      "inconsistent config [rl.batch_size, mesh]: batch_size=12 does not split over the 8 "
+      "batch shards of the learner's mesh {data: 8, fsdp: 1, tensor: 1} (mesh.data x "
+      "mesh.fsdp); it would be replicated on every device. Use a multiple of 8")
+  c.rl.batch_size, c.rl.num_minibatches = 8, 2   # minibatches of 4 on 8 shards
+  with pytest.raises(train.USER_ERRORS, match=r"\[rl.batch_size, rl.num_minibatches, mesh\]: "
+                     "minibatch of 4 sequences"):
+    train.run(c, str(tmp_path / "w"), progress=False)
+
+
+# --- resume checks, on real orbax checkpoints of a small state -------------------------------
+def _tiny_state(history: int = 0):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from trm_jax import step as step_lib  # pylint: disable=g-import-not-at-top
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  w = {"w": jax.device_put(jnp.arange(4.0), sh)}
+  return step_lib.TrainState(params=w, opt_state={"count": jax.device_put(jnp.zeros(()), sh)},
+                             step=0, history=(w,) * history)
+
+
+def _save(ckpt_dir, state, meta):
+  from trm_jax.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  with Checkpointer(ckpt_dir, save_every=1, keep=2) as ck:
+    assert ck.maybe_save(2, train.checkpointed(state), meta=meta)
+
+
+def _resume(ckpt_dir, state, config_json, data, **kw):
+  from trm_jax.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+  with Checkpointer(ckpt_dir, save_every=1, keep=2) as ck:
+    return train.resume(ck, state, config_json, os.path.dirname(ckpt_dir), data=data, **kw)
+
+
+def test_resume_on_changed_data_is_refused_naming_the_path(tmp_path):
+  """Issue 22, item 3: the same path, other rows and answers."""
+  from trm_jax.data import fingerprint  # pylint: disable=g-import-not-at-top
+  from trm_jax.data.loaders import load_problems  # pylint: disable=g-import-not-at-top
+  data = tmp_path / "train.jsonl"
+  rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(6)]
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  fp = {"task.path": fingerprint.source_fingerprint(str(data), load_problems("gsm8k", str(data)))}
+  config_json = {"task": {"path": str(data)}}
+  ckpt_dir = str(tmp_path / "w" / "ckpt")
+  _save(ckpt_dir, _tiny_state(), {"step": 2, "data_pos": 4, "config": config_json,
+                                  "data": fp, "metrics": None})
+  assert _resume(ckpt_dir, _tiny_state(), config_json, fp,
+                 allow_config_change=False)[0].step == 2           # unchanged data resumes
+  rows[3] = {"question": "What is 7 * 7?", "answer": "#### 49"}
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  new = {"task.path": fingerprint.source_fingerprint(str(data), load_problems("gsm8k", str(data)))}
+  with pytest.raises(train.USER_ERRORS) as e:
+    _resume(ckpt_dir, _tiny_state(), config_json, new, allow_config_change=False)
+  msg = str(e.value)
+  assert msg.startswith(f"the data changed since checkpoint step 2 in {tmp_path / 'w'}: "
+                        f"task.path={data}: 6 rows, sha256 {fp['task.path']['sha256'][:12]}")
+  assert msg.endswith("Use another --workdir, or pass --allow_config_change to continue this "
+                      "run on the new data")
+  state, meta = _resume(ckpt_dir, _tiny_state(), config_json, new, allow_config_change=True)
+  assert state.step == 2 and meta["data"] == fp
+
+
+@pytest.mark.parametrize("old_k,new_k", [(0, 2), (2, 0)])
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_changed_staleness_is_refused_naming_it(tmp_path, old_k, new_k, allow):
+  """Issue 22, item 6: the checkpoint holds rl.staleness parameter versions; before, orbax's
+  'does not match abstract_state ... ['history'][0]' came first, with or without
+  --allow_config_change."""
+  ckpt_dir = str(tmp_path / "w" / "ckpt")
+  old = {"rl": {"staleness": old_k}}
+  _save(ckpt_dir, _tiny_state(old_k), {"step": 2, "data_pos": 4, "config": old, "data": {},
+                                       "metrics": None})
+  with pytest.raises(train.USER_ERRORS) as e:
+    _resume(ckpt_dir, _tiny_state(new_k), {"rl": {"staleness": new_k}}, {},
+            allow_config_change=allow)
+  assert str(e.value) == (
+      f"{tmp_path / 'w'} holds a run (checkpoint step 2) whose saved state does not fit the "
+      f"new settings: rl.staleness: {old_k} -> {new_k}. These change what a checkpoint holds "
+      "(rl.staleness: the parameter versions of the rollout pipeline; model and optimizer "
+      "settings: the arrays), so the run cannot continue with them, not even with "
+      "--allow_config_change; use another --workdir")

@@ -104,8 +104,9 @@ def test_errors_name_the_file_and_column(tmp_path):
   no_problem = _write(tmp_path, "aime_bad.jsonl", [{"text": "x", "answer": 1}])
   with pytest.raises(ValueError, match=r"aime_bad.jsonl: missing column 'problem'"):
     load_problems("aime", no_problem)
-  with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist"):
+  with pytest.raises(DataFileError) as e:
     load_problems("gsm8k", str(tmp_path / "nope.jsonl"))
+  assert str(e.value) == f"data file {tmp_path / 'nope.jsonl'} does not exist"
   csv = tmp_path / "x.csv"
   csv.write_text("a,b\n")
   with pytest.raises(ValueError, match="unsupported extension '.csv'"):
@@ -313,5 +314,5 @@ def test_hub_id_missing_from_the_offline_cache_is_one_line(tmp_path, monkeypatch
   assert msg.startswith("dataset trm-jax-tests/no-such-dataset (subset 'main', split 'train'): ")
   assert msg.endswith("(HF_DATASETS_OFFLINE is set: only the local cache is read)")
   # A path shaped like a local file is a missing file, never a hub id.
-  with pytest.raises(FileNotFoundError, match="data/train.jsonl does not exist"):
+  with pytest.raises(DataFileError, match="data/train.jsonl does not exist"):
     load_problems("gsm8k", "data/train.jsonl")

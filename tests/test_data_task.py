@@ -2,6 +2,7 @@
 synthetic task's sampler lengths derived from its own tokenized worst case."""
 import dataclasses
 import json
+import logging
 import os
 
 import ml_collections
@@ -10,8 +11,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from trm_jax import config as config_lib
+from trm_jax.data import fingerprint
 from trm_jax.data import synthetic
 from trm_jax.data.batching import make_prompt_batch
+from trm_jax.data.loaders import DataFileError
 from trm_jax.data.task import Task, holdout_split
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -210,3 +213,67 @@ def test_held_out_split_of_a_dataset(tok, tmp_path):
     Task(_task_config(eval_subset="main", **kw), 0, tok, 2)
   with pytest.raises(config_lib.ConfigError, match="the synthetic task reads no dataset"):
     Task(_task_config(split="train"), 0, tok, 2)
+
+
+# ------------------------------------------------------------- what the trainer checks up front
+def test_a_prompt_longer_than_max_prompt_len_names_the_file_and_row(tok, tmp_path):
+  rows = _gsm8k_rows(6)
+  rows[4]["question"] = "What is " + " + ".join(["1"] * 30) + "?"
+  path = _write_jsonl(tmp_path / "train.jsonl", rows)
+  task = Task(_task_config(name="gsm8k", path=path, max_prompt_len=120, max_new_tokens=8),
+              seed=0, tokenizer=tok, eval_problems=0)
+  with pytest.raises(DataFileError) as e:   # a user error: the CLI prints this one line
+    task.check_prompts(eval_problems=0)
+  assert str(e.value) == (f"{path}, problem train.jsonl:4: the prompt is 203 tokens, more than "
+                          "task.max_prompt_len=120; raise it (or drop the row)")
+
+
+def test_a_tokenizer_that_cannot_spell_the_prompts_is_warned_about_once(tok, tmp_path, caplog):
+  """Issue 22, item 4: gsm8k-style prose through the synthetic tokenizer (digits and
+  operators only) is mostly <unk>."""
+  rows = [{"question": f"Natalia sold clips to {i} of her friends. How many?",
+           "answer": f"#### {i}"} for i in range(5)]
+  path = _write_jsonl(tmp_path / "words.jsonl", rows)
+  task = Task(_task_config(name="gsm8k", path=path, max_prompt_len=200, max_new_tokens=8),
+              seed=0, tokenizer=tok, eval_problems=0)
+  with caplog.at_level(logging.WARNING, logger="trm_jax.data.task"):
+    task.check_prompts(eval_problems=0)
+  assert len(caplog.records) == 1
+  msg = caplog.records[0].getMessage()
+  assert msg.startswith(f"5 of 5 sampled prompts are mostly unknown tokens to the tokenizer at "
+                        f"{tok.path} (problem words.jsonl:0: ")
+  assert "tokens are <unk>): the model cannot read them" in msg
+  caplog.clear()
+  task = Task(_task_config(), seed=0, tokenizer=tok, eval_problems=0)   # its own tokenizer
+  with caplog.at_level(logging.WARNING, logger="trm_jax.data.task"):
+    task.check_prompts(eval_problems=0)
+  assert not caplog.records
+
+
+def test_more_eval_problems_than_the_eval_file_holds_is_said_once(tok, tmp_path, caplog):
+  train = _write_jsonl(tmp_path / "train.jsonl", _gsm8k_rows(6))
+  held = _write_jsonl(tmp_path / "test.jsonl", _gsm8k_rows(3))
+  with caplog.at_level(logging.WARNING, logger="trm_jax.data.task"):
+    task = Task(_task_config(name="gsm8k", path=train, eval_path=held, max_prompt_len=120,
+                             max_new_tokens=8), seed=0, tokenizer=tok, eval_problems=100000000)
+    assert len(task.eval_problems(100000000)) == 3
+  assert [r.getMessage() for r in caplog.records] == [
+      f"eval_problems=100000000, but task.eval_path={held} has 3 problems: evaluating on all 3"]
+
+
+def test_the_data_fingerprint_sees_changed_rows_not_a_touched_file(tok, tmp_path):
+  path = tmp_path / "train.jsonl"
+  _write_jsonl(path, _gsm8k_rows(6))
+  cfg = _task_config(name="gsm8k", path=str(path), max_prompt_len=120, max_new_tokens=8)
+  before = Task(cfg, seed=0, tokenizer=tok, eval_problems=2).fingerprint
+  assert sorted(before) == ["task.path"] and before["task.path"]["rows"] == 6
+  os.utime(path, (1, 1))                                  # touched (or copied): same rows
+  touched = Task(cfg, seed=0, tokenizer=tok, eval_problems=2).fingerprint
+  assert touched["task.path"]["mtime"] != before["task.path"]["mtime"]
+  assert fingerprint.changes(before, touched) == {}
+  rows = _gsm8k_rows(6)
+  rows[2]["answer"] = "#### 99"                           # one answer rewritten
+  _write_jsonl(path, rows)
+  after = Task(cfg, seed=0, tokenizer=tok, eval_problems=2).fingerprint
+  assert list(fingerprint.changes(before, after)) == ["task.path"]
+  assert Task(_task_config(), seed=0, tokenizer=tok, eval_problems=2).fingerprint == {}

@@ -125,8 +125,9 @@ def _free_slurm_job_id() -> int:
 
 
 def _trainer_args(tmp, workdir):
+  # ckpt_every=2 over 2 steps: step 1 is checkpointed only when a stop request forces it.
   return [sys.executable, "-m", "trm_jax.train", "--config", "configs/tiny_trm.py",
-          "--workdir", workdir, "--config.total_steps=2", "--config.ckpt_every=1",
+          "--workdir", workdir, "--config.total_steps=2", "--config.ckpt_every=2",
           "--config.rl.batch_size=8", "--config.rl.group_size=4", "--config.eval_problems=0",
           "--config.warmup.steps=10", "--config.warmup.batch_size=16",
           "--config.task.synthetic.max_operands=3", "--config.task.synthetic.max_value=9",
@@ -134,20 +135,20 @@ def _trainer_args(tmp, workdir):
           f"--config.warmup.cache_dir={tmp}/base"]
 
 
-@pytest.mark.slow
-def test_trainer_in_two_processes_from_srun_variables_matches_one_process(tmp_path):
-  """The full loop from SLURM's variables alone: process 0 builds the base model, both roll
-  out and update their shards, checkpoints are written together, metrics and the HF export by
-  process 0 only."""
-  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
-  tmp = str(tmp_path)
-  multi, single = os.path.join(tmp, "multi"), os.path.join(tmp, "single")
+def _two_processes(tmp, workdir, **extra_env):
+  """Runs the trainer as two processes of one job, started from SLURM's variables alone (what
+  `srun -n 2` sets); returns [(exit code, output)] per process.
+
+  All runs of a test share one persistent compilation cache, so the reruns compile nothing."""
   job_id = _free_slurm_job_id()
   procs = []
   for i in range(2):
     env = dict(_slurm_env(i, job_id), XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
-    procs.append(subprocess.Popen(_trainer_args(tmp, multi), cwd=ROOT, env=env,
+               JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+               JAX_COMPILATION_CACHE_DIR=f"{tmp}/xla_cache",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", **extra_env)
+    procs.append(subprocess.Popen(_trainer_args(tmp, workdir), cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
   logs = []
   try:
@@ -157,11 +158,46 @@ def test_trainer_in_two_processes_from_srun_variables_matches_one_process(tmp_pa
     for p in procs:
       if p.poll() is None:
         p.kill()
-  assert all(p.returncode == 0 for p in procs), "\n".join(
-      f"--- process {i} (exit {p.returncode}):\n{log[-3000:]}"
-      for i, (p, log) in enumerate(zip(procs, logs)))
-  assert "2 processes" in logs[0]
-  for i, log in enumerate(logs):   # the first line says how the processes found each other
+  return [(p.returncode, log) for p, log in zip(procs, logs)]
+
+
+def _describe(results):
+  return "\n".join(f"--- process {i} (exit {rc}):\n{log[-3000:]}"
+                   for i, (rc, log) in enumerate(results))
+
+
+def _ckpt_state(workdir, step):
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  path = os.path.join(workdir, "ckpt", str(step), "state")
+  ckptr = ocp.StandardCheckpointer()
+  # Saved on the two processes' mesh: restored onto one local device of this process.
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  meta = ckptr.metadata(path)
+  meta = getattr(meta, "item_metadata", meta)
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), meta)
+  flat, _ = jax.tree_util.tree_flatten_with_path(ckptr.restore(path, target))
+  return {jax.tree_util.keystr(p): np.asarray(x).tobytes() for p, x in flat}
+
+
+@pytest.mark.slow
+def test_trainer_in_two_processes_from_srun_variables_matches_one_process(tmp_path):
+  """The full loop from SLURM's variables alone: process 0 builds the base model, both roll
+  out and update their shards, checkpoints are written together, metrics and the HF export by
+  process 0 only.
+
+  Then preemption across processes: the same job again, where process 0 gets SIGTERM in the
+  middle of step 1's rollout and process 1 in the middle of step 1's update (real signals,
+  preemption.debug_point). Both finish step 1, agree to stop there, checkpoint it together
+  (not a ckpt_every step) and exit 143 saying so; the rerun resumes from step 1 and ends
+  bitwise equal to the uninterrupted two-process run."""
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  tmp = str(tmp_path)
+  multi, single = os.path.join(tmp, "multi"), os.path.join(tmp, "single")
+  results = _two_processes(tmp, multi)
+  assert all(rc == 0 for rc, _ in results), _describe(results)
+  assert "2 processes" in results[0][1]
+  for i, (_, log) in enumerate(results):   # the first line says how the processes found each other
     first = next(l for l in log.splitlines() if "multi-host start-up" in l)
     assert first.endswith(f"multi-host start-up: SlurmCluster (JAX's cluster detection): "
                           f"process {i} of 2, 2 local of 4 devices"), first
@@ -171,7 +207,7 @@ def test_trainer_in_two_processes_from_srun_variables_matches_one_process(tmp_pa
                      text=True, timeout=2 * TIMEOUT)
   assert p.returncode == 0, p.stderr[-4000:]
 
-  assert sorted(os.listdir(os.path.join(multi, "ckpt"))) == ["1", "2"]
+  assert sorted(os.listdir(os.path.join(multi, "ckpt"))) == ["2"]
   with open(os.path.join(multi, "metrics.jsonl")) as f:
     assert [json.loads(line)["step"] for line in f] == [1, 2]  # one writer
   got = load_file(os.path.join(multi, "hf", "model.safetensors"))
@@ -179,6 +215,27 @@ def test_trainer_in_two_processes_from_srun_variables_matches_one_process(tmp_pa
   assert sorted(got) == sorted(want)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+  # --- preempted on both processes at different moments of step 1, then resumed -------------
+  stopped = os.path.join(tmp, "preempted")
+  results = _two_processes(tmp, stopped, TRM_DEBUG_SIGNAL="rollout@1#0,update@1#1")
+  assert all(rc == 143 for rc, _ in results), _describe(results)
+  for _, log in results:
+    assert log.strip().splitlines()[-1] == (
+        f"preempted by SIGTERM after step 1 of 2: checkpoint step 1 is saved in "
+        f"{stopped}/ckpt; rerun the same command to resume (exit code 143)")
+    assert "SIGTERM received: finishing the current step" in log
+    assert "Traceback" not in log
+  assert sorted(os.listdir(os.path.join(stopped, "ckpt"))) == ["1"]
+  results = _two_processes(tmp, stopped)
+  assert all(rc == 0 for rc, _ in results), _describe(results)
+  assert "resumed from step 1 " in results[0][1]
+  with open(os.path.join(stopped, "metrics.jsonl")) as f:
+    assert [json.loads(line)["step"] for line in f] == [1, 2]
+  assert _ckpt_state(stopped, 2) == _ckpt_state(multi, 2)
+  got = load_file(os.path.join(stopped, "hf", "model.safetensors"))
+  want = load_file(os.path.join(multi, "hf", "model.safetensors"))
+  assert all(got[k].tobytes() == want[k].tobytes() for k in want) and sorted(got) == sorted(want)
 
 
 def test_start_up_says_how_and_refuses_a_partial_set_of_variables(monkeypatch, caplog):

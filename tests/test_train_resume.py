@@ -171,6 +171,36 @@ def _metrics_safe(path):
   return out
 
 
+def test_preempted_at_several_moments_then_resumed_is_bitwise_identical(tmp, reference,
+                                                                         shared_run):
+  """SIGTERM / SIGINT, delivered for real by the trainer to itself at named moments
+  (preemption.debug_point, TRM_DEBUG_SIGNAL): SIGTERM while the async save of step 2 is
+  written, then, in the resumed run, SIGINT in the middle of step 4's evaluation. Each run
+  finishes its step, checkpoints it, keeps its metrics and exits 128 + signal with one line
+  (no KeyboardInterrupt traceback); the chain of resumes ends bitwise equal to the
+  uninterrupted run. Mid-rollout and mid-update, a forced save of a step that is not a
+  ckpt_every step, and processes agreeing on the step: tests/test_distributed.py (one run
+  there covers them, which keeps this suite's time down)."""
+  workdir = os.path.join(tmp, "preempted")
+  env = shared_run.env(TRM_DEBUG_SIGNAL="save@2,eval@4:INT")
+  for step, sig in ((2, signal.SIGTERM), (4, signal.SIGINT)):
+    p = subprocess.run(_args(shared_run, workdir), cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=TIMEOUT)
+    name, code = signal.Signals(sig).name, 128 + sig
+    assert p.returncode == code, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"preempted by {name} after step {step} of {STEPS}: checkpoint step {step} is saved "
+        f"in {workdir}/ckpt; rerun the same command to resume (exit code {code})")
+    assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr
+    assert f"{name} received: finishing the current step" in p.stderr
+    assert str(step) in os.listdir(os.path.join(workdir, "ckpt"))
+    assert [r["step"] for r in _metrics(workdir)] == list(range(step + 1))  # flushed
+    assert not os.path.exists(os.path.join(workdir, "summary.json"))
+  log = _train(shared_run, workdir)
+  assert "resumed from step 4 " in log, log[-3000:]
+  _assert_same_run(workdir, reference)
+
+
 def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp, reference, shared_run):
   workdir = os.path.join(tmp, "corrupt")
   shutil.copytree(reference, workdir)

@@ -212,6 +212,47 @@ def validate_task(t: ml_collections.ConfigDict) -> None:
            "another split, or leave task.eval_split empty to hold out rows of the training split")
 
 
+def check_batch_mesh(c: ml_collections.ConfigDict, mesh, sampler_mesh=None) -> None:
+  """The rollout batch and each minibatch split evenly over the mesh axes that shard a batch
+  (`sharding.batch_shards`: data x fsdp). Otherwise `sharding.put_batch` replicates them and
+  every device computes every row, silently. For every consumer of the trainer's meshes (the
+  trainer calls it right after building them; AOT compilation should too)."""
+  from trm_jax import sharding as shd  # pylint: disable=g-import-not-at-top
+  r = c.rl
+  mb = r.batch_size // r.num_minibatches
+
+  def shape(m) -> str:
+    return "{" + ", ".join(f"{a}: {n}" for a, n in m.shape.items()) + "}"
+
+  n = shd.batch_shards(mesh)
+  _require(r.batch_size % n == 0, ["rl.batch_size", "mesh"],
+           f"batch_size={r.batch_size} does not split over the {n} batch shards of the "
+           f"learner's mesh {shape(mesh)} (mesh.data x mesh.fsdp); it would be replicated on "
+           f"every device. Use a multiple of {n}")
+  _require(mb % n == 0, ["rl.batch_size", "rl.num_minibatches", "mesh"],
+           f"minibatch of {mb} sequences (batch_size={r.batch_size} / num_minibatches="
+           f"{r.num_minibatches}) does not split over the {n} batch shards of the learner's "
+           f"mesh {shape(mesh)}; it would be replicated on every device")
+  if sampler_mesh is not None:
+    n = shd.batch_shards(sampler_mesh)
+    _require(r.batch_size % n == 0, ["rl.batch_size", "mesh.rollout_devices"],
+             f"batch_size={r.batch_size} does not split over the sampler's {n} devices "
+             f"(mesh.rollout_devices); it would be replicated on each of them")
+
+
+def check_task_files(t: ml_collections.ConfigDict) -> None:
+  """The task's sources exist: a local file or directory, or a name shaped like a Hugging Face
+  dataset id (data/loaders.py decides which). Run by the trainer and the sweep right after
+  `validate`, before any model loads; kept out of `validate` because configs name files of
+  the machine they run on."""
+  from trm_jax.data import loaders  # pylint: disable=g-import-not-at-top  (light: os, json)
+  for key in ("path", "eval_path"):
+    path = t[key]
+    _require(not path or loaders._source_kind(path) != "missing", [f"task.{key}"],  # pylint: disable=protected-access
+             f"{path} does not exist (neither a local file or directory nor a Hugging Face "
+             "dataset id)")
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
   """Cross-field checks; each names the keys involved. Call before allocating anything.
 

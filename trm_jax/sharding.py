@@ -237,6 +237,17 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int],
   return named_sharding(mesh, axes, shape, rules)
 
 
+def batch_shards(mesh: Mesh, rules: Optional[Rules] = None) -> int:
+  """How many ways a batch is split on `mesh`: the product of the BATCH rule's mesh axes.
+
+  A batch whose size this does not divide is replicated (`batch_sharding`), every device
+  then computing every row; `config.check_batch_mesh` refuses that for the trainer's batches.
+  """
+  target = dict(DEFAULT_RULES if rules is None else rules)[BATCH]
+  target = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+  return math.prod(mesh.shape[a] for a in target if a in mesh.axis_names)
+
+
 def put_batch(tree, mesh: Mesh, rules: Optional[Rules] = None):
   """Places a pytree of per-example arrays (host numpy or jax) by `batch_sharding`.
 

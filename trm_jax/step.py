@@ -43,6 +43,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from trm_jax import preemption
 from trm_jax import programs as programs_lib
 from trm_jax import sharding as shd
 from trm_jax.data import math_reward
@@ -247,6 +248,8 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
       mb = shd.put_batch(jax.tree.map(lambda x: x[idx], batch), ctx.mesh)
       with oom_hints("learner update"):
         params, opt_state, aux = ctx.update(params, opt_state, ctx.rest, mb)
+      if not upd:
+        preemption.debug_point("update", step)   # test hook: a signal while updates run
       upd.append(aux)
   next_state = _dispatch_next(ctx, TrainState(
       params=params, opt_state=opt_state, step=step, data_pos=state.data_pos + n_prompts,
@@ -286,6 +289,7 @@ def dispatch_rollout(ctx: RLContext, state: TrainState) -> InFlight:
     sync = {"sync/seconds": time.time() - t0,
             "sync/bytes": float(sum(x.nbytes for x in jax.tree.leaves(params)))}
   ro = sample(ctx, params, pb, k_roll)
+  preemption.debug_point("rollout", step)   # test hook: a signal while the rollout runs
   ro = ro.replace(policy_version=np.full(ro.tokens.shape[0], version, np.int32))
   return InFlight(problems=problems, pb=pb, ro=ro, version=version, sync=sync)
 
@@ -329,7 +333,7 @@ def sample(ctx: RLContext, params, pb, key: jax.Array):
     return ctx.programs["rollout"](nnx.merge_state(params, rest), ids, lengths, key)
 
 
-def evaluate(ctx: RLContext, params) -> dict:
+def evaluate(ctx: RLContext, params, *, step: Optional[int] = None) -> dict:
   """Held-out evaluation in the learner dtype, with the dense cache and, when the rollouts
   are compressed, also with the rollout's cache policy (keys prefixed `compressed_`).
 
@@ -340,7 +344,8 @@ def evaluate(ctx: RLContext, params) -> dict:
   change with the difficulty of that step's few prompts. The sampling key is the same at
   every evaluation, so two evaluations differ only by the policy. The compressed figure is
   the one a KV-compressed deployment sees, which SMD trains for (the dense one is what the
-  dense learner baselines train for).
+  dense learner baselines train for). `step` (the trainer's) only names the moment for the
+  preemption test hook.
   """
   c, task = ctx.c, ctx.task
   problems = task.eval_problems(c.eval_problems)
@@ -356,6 +361,8 @@ def evaluate(ctx: RLContext, params) -> dict:
       ids, lengths = check_prompts(shd.put_batch(pb.tokens, ctx.mesh), pb.lengths)
       program = ctx.programs[f"eval_{'greedy' if n == 1 else 'sampled'}{suffix}"]
       ro = program(state, ids, lengths, key)
+      if step is not None and not out:
+        preemption.debug_point("eval", step)   # test hook: a signal mid-evaluation
       correct = rewards_of(ctx.tok, ro, problems, pb.problem_ids, task.max_prompt_len) > 0.5
       if n == 1:
         out[prefix + "greedy_accuracy"] = float(correct.mean())

@@ -41,6 +41,7 @@ import logging
 import os
 import resource
 import shutil
+import signal
 import sys
 import time
 from typing import Optional
@@ -52,12 +53,14 @@ from flax import nnx
 from ml_collections import config_flags
 
 from trm_jax import config as config_lib
+from trm_jax import preemption
 from trm_jax.distributed import init_distributed
 from trm_jax import sharding as shd
 from trm_jax import step as step_lib
 from trm_jax import warmup
 from trm_jax import workdir as wd
-from trm_jax.checkpoint import Checkpointer, CheckpointSaveError
+from trm_jax.checkpoint import Checkpointer, CheckpointSaveError, CheckpointStructureError
+from trm_jax.data import fingerprint
 from trm_jax.data.loaders import DataFileError
 from trm_jax.data.task import Task
 from trm_jax.data.tokenizer import TokenizerMismatchError, check_tokenizer_fits, load_tokenizer
@@ -148,23 +151,28 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
   `allow_config_change`).
   """
   config_lib.validate(c)
+  config_lib.check_task_files(c.task)
   workdir = wd.prepare(workdir)
   # One trainer per workdir: the lock lives as long as this process (the kernel drops it on
   # SIGKILL). Process 0 holds it for a multi-process job.
   lock = wd.WorkdirLock(workdir) if jax.process_index() == 0 else None
   try:
-    mesh, sampler_mesh = make_mesh(c)
-    log.info("mesh %s over %d devices, %d processes%s", dict(mesh.shape), mesh.size,
-             jax.process_count(), "" if sampler_mesh is None else
-             f"; sampler on its own {sampler_mesh.size} devices")
-    # Outside the mesh context: the warm-up is a process-local job (its arrays are not global).
-    base = (warmup.ensure_base_model(c, log=log.info) if jax.process_index() == 0 else
-            wait_for_base_model(c))
-    # Inside the mesh context the model's block-boundary activation constraints (residual
-    # stream over (data, fsdp), sharding.constrain) are live in the sampler and the learner.
-    with jax.set_mesh(mesh):
-      return _run(c, workdir, mesh, sampler_mesh, base, progress=progress,
-                  allow_config_change=allow_config_change)
+    # From here SIGTERM / SIGINT only request a stop, honoured between steps (preemption.py).
+    with preemption.StopOnSignal() as stop:
+      mesh, sampler_mesh = make_mesh(c)
+      config_lib.check_batch_mesh(c, mesh, sampler_mesh)
+      log.info("mesh %s over %d devices, %d processes%s", dict(mesh.shape), mesh.size,
+               jax.process_count(), "" if sampler_mesh is None else
+               f"; sampler on its own {sampler_mesh.size} devices")
+      # Outside the mesh context: the warm-up is a process-local job (its arrays are not
+      # global).
+      base = (warmup.ensure_base_model(c, log=log.info) if jax.process_index() == 0 else
+              wait_for_base_model(c))
+      # Inside the mesh context the model's block-boundary activation constraints (residual
+      # stream over (data, fsdp), sharding.constrain) are live in the sampler and the learner.
+      with jax.set_mesh(mesh):
+        return _run(c, workdir, mesh, sampler_mesh, base, progress=progress,
+                    allow_config_change=allow_config_change, stop=stop)
   finally:
     if lock is not None:
       lock.release()
@@ -172,7 +180,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
 
 def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
          sampler_mesh: Optional[jax.sharding.Mesh], base: str, *, progress: bool,
-         allow_config_change: bool) -> dict:
+         allow_config_change: bool, stop: preemption.StopOnSignal) -> dict:
   lead = jax.process_index() == 0  # writes metrics, plots, summary and the HF export
   # --- Model, tokenizer, task, learner --------------------------------------------------------
   model = from_pretrained(base, dtype=step_lib.DTYPES[c.model.dtype], remat=c.model.remat,
@@ -180,6 +188,12 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
   tok = load_tokenizer(base)
   check_tokenizer_fits(tok, model.config.vocab_size)
   task = Task(c.task, seed=c.seed, tokenizer=tok, eval_problems=c.eval_problems)
+  # validate() checked what the config alone tells; now the model's own limits and the
+  # task's derived lengths are known.
+  config_lib.check_model_fit(c, max_positions=model.config.max_position_embeddings,
+                             vocab_size=model.config.vocab_size,
+                             prompt_len=task.max_prompt_len, new_tokens=task.max_new_tokens)
+  task.check_prompts(c.eval_problems)
   step_lib.warn_truncation(c)
   ctx, state = step_lib.make_context(c, mesh, model, tok, task, sampler_mesh)
   del model
@@ -188,15 +202,17 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
   config_json = json.loads(c.to_json_best_effort())
   ckpt = Checkpointer(os.path.join(workdir, "ckpt"), save_every=c.ckpt_every,
                       keep=c.keep_ckpts)
-  state, resumed = resume(ckpt, state, config_json, workdir,
-                          allow_config_change=allow_config_change)
+  state, meta = resume(ckpt, state, config_json, workdir, data=task.fingerprint,
+                       allow_config_change=allow_config_change)
   if lead:
     wd.write_json_atomic(os.path.join(workdir, wd.CONFIG_FILE), config_json)
   logger = MetricsLogger(workdir, total_steps=c.total_steps, enable_progress=progress,
-                         resume_step=state.step if resumed else None) if lead else None
+                         resume_step=state.step if meta is not None else None,
+                         resume_record=(meta or {}).get("metrics")) if lead else None
 
   try:
-    state, last_eval, loop_s = _loop(c, ctx, state, ckpt, logger, config_json)
+    state, last_eval, loop_s = _loop(c, ctx, state, ckpt, logger, config_json,
+                                     task.fingerprint, stop)
   except BaseException:
     # Flush the record (and end the progress bar before the error is printed); let the
     # in-flight checkpoint finish, so the last good one is complete on disk.
@@ -239,9 +255,21 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
 
 
 def _loop(c: ml_collections.ConfigDict, ctx: step_lib.RLContext, state: step_lib.TrainState,
-          ckpt: Checkpointer, logger, config_json: dict):
+          ckpt: Checkpointer, logger, config_json: dict, data: dict,
+          stop: preemption.StopOnSignal):
   """Steps to c.total_steps with evaluation, logging, stall detection and checkpoints;
-  returns (final state, last held-out evaluation or None, seconds spent in the steps)."""
+  returns (final state, last held-out evaluation or None, seconds spent in the steps).
+
+  A stop request (SIGTERM / SIGINT, `preemption`) is looked at once per step, before the next
+  one starts, by every process together: the step done last is checkpointed (unless it
+  already is) and `preemption.Preempted` is raised. So a signal that lands in a rollout, an
+  update, an evaluation or a save costs at most the rest of that step."""
+  def meta(state, record) -> dict:
+    # `metrics`: this step's metrics.jsonl line (None if not logged, or not process 0), from
+    # which a resume restores that line if a crash tore it.
+    return {"step": state.step, "data_pos": state.data_pos, "config": config_json,
+            "data": data, "metrics": record}
+
   def eval_due(step: int) -> bool:
     return bool(c.eval_problems) and (
         step == c.total_steps or (c.eval_every > 0 and step % c.eval_every == 0))
@@ -261,39 +289,75 @@ def _loop(c: ml_collections.ConfigDict, ctx: step_lib.RLContext, state: step_lib
   # --- The loop -------------------------------------------------------------------------------
   t_start = time.time()
   skipped_run = []  # per consecutive skipped step: (non-finite, all masked) update fractions
-  while state.step < c.total_steps:
+  saved, record = state.step, None   # newest step with a checkpoint; last metrics line
+  while True:
+    signum = stop.should_stop()
+    if signum is not None:
+      if state.step != saved:
+        ckpt.maybe_save(state.step, checkpointed(state), meta=meta(state, record), force=True)
+      ckpt.wait()  # finalized on disk (or CheckpointSaveError) before saying so
+      raise _preempted(c, signum, state.step, saved=state.step != 0, directory=ckpt.directory)
+    if state.step >= c.total_steps:
+      break
     ckpt.check()  # a background save that failed stops the run now, naming step and cause
     state, metrics = step_lib.rl_step(ctx, state)
     metrics.update(memory_metrics())
     logged = state.step % c.log_every == 0 or state.step == c.total_steps
     if eval_due(state.step):
-      last_eval = step_lib.evaluate(ctx, state.params)
+      last_eval = step_lib.evaluate(ctx, state.params, step=state.step)
       metrics.update(eval_metrics(last_eval))
       logged = True
     skipped_run = skipped_run + [(metrics["learner/skipped_nonfinite"],
                                   metrics["learner/skipped_all_masked"])] \
         if metrics["learner/skipped"] == 1.0 else []
     stalled = 0 < c.rl.max_consecutive_skips <= len(skipped_run)
-    if logger is not None and (logged or stalled):
-      logger.log(state.step, metrics)
+    record = logger.log(state.step, metrics) if logger is not None and (
+        logged or stalled) else None
     if stalled:
       raise TrainingStalledError(_stall_message(c, state.step, skipped_run))
-    ckpt.maybe_save(state.step, checkpointed(state),
-                    meta={"step": state.step, "data_pos": state.data_pos,
-                          "config": config_json},
-                    force=state.step == c.total_steps)
+    if ckpt.maybe_save(state.step, checkpointed(state), meta=meta(state, record),
+                       force=state.step == c.total_steps):
+      saved = state.step
+      preemption.debug_point("save", state.step)   # test hook: a signal while it is written
   return state, last_eval, time.time() - t_start
 
 
+def _preempted(c: ml_collections.ConfigDict, signum: int, step: int, *, saved: bool,
+               directory: str) -> preemption.Preempted:
+  name = signal.Signals(signum).name
+  where = (f"checkpoint step {step} is saved in {directory}; rerun the same command to "
+           "resume" if saved else "no step was done, nothing to save")
+  rest = "" if step < c.total_steps else " (all steps done; the rerun writes the summary)"
+  return preemption.Preempted(
+      f"preempted by {name} after step {step} of {c.total_steps}: {where}{rest} (exit code "
+      f"{preemption.exit_code(signum)})", signum)
+
+
 def resume(ckpt: Checkpointer, state: step_lib.TrainState, config_json: dict, workdir: str,
-           *, allow_config_change: bool) -> tuple[step_lib.TrainState, bool]:
-  """(state, resumed): the newest good checkpoint's state, if there is one and its config
-  allows continuing (see `workdir.config_changes`); else `state` unchanged."""
+           *, data: dict, allow_config_change: bool,
+           ) -> tuple[step_lib.TrainState, Optional[dict]]:
+  """(state, meta): the newest good checkpoint's state and meta, if there is one and its
+  config and data allow continuing (see `workdir.config_changes`, `data.fingerprint`); else
+  (`state` unchanged, None)."""
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           checkpointed(state))
-  restored = ckpt.restore_latest(abstract)
+  try:
+    restored = ckpt.restore_latest(abstract)
+  except CheckpointStructureError as e:
+    # The saved arrays do not fit the new settings' state. Name the settings, not the leaves.
+    old = (ckpt.read_meta(e.step) or {}).get("config")
+    changes = wd.config_changes(old, config_json) if old is not None else {}
+    changes.pop("total_steps", None)
+    if not changes:
+      raise
+    raise wd.WorkdirError(
+        f"{workdir} holds a run (checkpoint step {e.step}) whose saved state does not fit "
+        f"the new settings: {wd.describe(changes)}. These change what a checkpoint holds "
+        "(rl.staleness: the parameter versions of the rollout pipeline; model and optimizer "
+        "settings: the arrays), so the run cannot continue with them, not even with "
+        "--allow_config_change; use another --workdir") from None
   if restored is None:
-    return state, False
+    return state, None
   step, arrays, meta = restored
   old = meta.get("config")
   if old is None:
@@ -322,10 +386,32 @@ def resume(ckpt: Checkpointer, state: step_lib.TrainState, config_json: dict, wo
         wd.write_json_atomic(kept, old)
       log.warning("--allow_config_change: continuing from step %d with %s (the earlier config "
                   "is kept in %s)", step, wd.describe(changes), kept)
+  _check_data(meta.get("data"), data, workdir, step, allow_config_change=allow_config_change)
   log.info("resumed from step %d (data position %d)", step, meta["data_pos"])
   return step_lib.TrainState(params=arrays["params"], opt_state=arrays["opt_state"], step=step,
                              data_pos=int(meta["data_pos"]),
-                             history=tuple(arrays.get("history", ()))), True
+                             history=tuple(arrays.get("history", ()))), meta
+
+
+def _check_data(old: Optional[dict], new: dict, workdir: str, step: int, *,
+                allow_config_change: bool) -> None:
+  """Refuses a resume whose data files hold other rows than the checkpoint's run read."""
+  if old is None:
+    if new:
+      log.warning("checkpoint step %d in %s records no data fingerprint (written by an older "
+                  "version): resuming without checking that the data is unchanged", step,
+                  workdir)
+    return
+  diff = fingerprint.changes(old, new)
+  if not diff:
+    return
+  if not allow_config_change:
+    raise wd.WorkdirError(
+        f"the data changed since checkpoint step {step} in {workdir}: "
+        f"{fingerprint.describe(diff)}. Use another --workdir, or pass --allow_config_change "
+        "to continue this run on the new data")
+  log.warning("--allow_config_change: continuing from step %d on changed data: %s", step,
+              fingerprint.describe(diff))
 
 
 def checkpointed(state: step_lib.TrainState) -> dict:
@@ -378,6 +464,15 @@ def main(argv):
     run(_CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CHANGE.value)
   except USER_ERRORS as e:
     sys.exit(f"error: {e}")
+  except preemption.Preempted as e:
+    # Not 0: a scheduler or sweep must not read the run as finished (preemption.exit_code).
+    print(str(e), file=sys.stderr)
+    sys.exit(e.code)
+  except KeyboardInterrupt:
+    # Ctrl-C before the stop handler is installed (or after it is gone): one line, no
+    # traceback, the shell's code for SIGINT.
+    print("interrupted by SIGINT outside the training loop (nothing to save)", file=sys.stderr)
+    sys.exit(preemption.exit_code(signal.SIGINT))
 
 
 def cli():

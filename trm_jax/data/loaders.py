@@ -200,7 +200,7 @@ def read_rows(paths: str | Sequence[str], *, split: str = "", subset: str = "") 
   rows = []
   for f, kind in zip(files, kinds):
     if kind == "missing":
-      raise FileNotFoundError(f"data file {f} does not exist")
+      raise DataFileError(f"data file {f} does not exist")
     if kind != "file":
       raise DataFileError(f"{f}: a dataset directory is read on its own, not in a list of files")
     if split or subset:

@@ -40,21 +40,27 @@ plus <eos>). Both are exact for the synthetic tokenizer (one token per character
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import ml_collections
 import numpy as np
 
 from trm_jax.config import ConfigError, validate_task
+from trm_jax.data import fingerprint
 from trm_jax.data import synthetic
-from trm_jax.data.batching import PromptBatch, make_prompt_batch
-from trm_jax.data.loaders import load_problems
+from trm_jax.data.batching import PromptBatch, encode_prompt, make_prompt_batch
+from trm_jax.data.loaders import DataFileError, load_problems
 from trm_jax.data.problem import Problem
 from trm_jax.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 HOLDOUT_SEED = 0  # the held-out rows of a file task without eval_path (module docstring)
 # Stream offsets from the run seed: RL prompts use `seed`, warm-up SFT `seed + 1`.
 SYNTHETIC_EVAL_STREAM = 2
+# Prompts per source whose tokens `check_prompts` counts as known or unknown to the tokenizer.
+COVERAGE_SAMPLE = 64
 
 
 def holdout_split(n_rows: int, n_eval: int) -> tuple[np.ndarray, np.ndarray]:
@@ -99,6 +105,9 @@ class Task:
     self.synthetic: Optional[synthetic.SyntheticConfig] = None
     self.train_set: Optional[list[Problem]] = None
     self.eval_set: Optional[list[Problem]] = None
+    # What was read, per config key naming a file (data/fingerprint.py); stored with every
+    # checkpoint so a resume on changed data is refused. Empty for the synthetic task.
+    self.fingerprint: dict[str, dict] = {}
     if t.name == "synthetic":
       self.synthetic = synthetic.SyntheticConfig(**t.synthetic.to_dict())
       self.max_prompt_len = t.max_prompt_len or synthetic.max_prompt_tokens(self.synthetic,
@@ -108,13 +117,20 @@ class Task:
     eval_name = t.eval_name or t.name
     self.max_prompt_len, self.max_new_tokens = t.max_prompt_len, t.max_new_tokens
     problems = load_problems(t.name, t.path, split=t.split, subset=t.subset)
+    self.fingerprint["task.path"] = fingerprint.source_fingerprint(t.path, problems,
+                                                                   split=t.split,
+                                                                   subset=t.subset)
     if t.eval_path:
       self.train_set = problems
       self.eval_set = load_problems(eval_name, t.eval_path, split=t.eval_split,
                                     subset=t.eval_subset)
+      self.fingerprint["task.eval_path"] = fingerprint.source_fingerprint(
+          t.eval_path, self.eval_set, split=t.eval_split, subset=t.eval_subset)
     elif t.eval_split:   # a held-out split of the same dataset (validate_task: not `split`)
       self.train_set = problems
       self.eval_set = load_problems(t.name, t.path, split=t.eval_split, subset=t.subset)
+      self.fingerprint["task.eval_split"] = fingerprint.source_fingerprint(
+          t.path, self.eval_set, split=t.eval_split, subset=t.subset)
     elif eval_problems:
       if len(problems) <= eval_problems:
         raise ConfigError(
@@ -126,6 +142,51 @@ class Task:
       self.eval_set = [problems[i] for i in eval_rows]
     else:  # no evaluation asked for: train on every row
       self.train_set, self.eval_set = problems, []
+    if eval_problems > len(self.eval_set):
+      # Said once, here; evaluation then uses every row (eval_problems(n) caps at it).
+      source = (f"task.eval_path={t.eval_path}" if t.eval_path else
+                f"task.eval_split={t.eval_split!r} of {t.path}")
+      log.warning("eval_problems=%d, but %s has %d problems: evaluating on all %d",
+                  eval_problems, source, len(self.eval_set), len(self.eval_set))
+
+  def check_prompts(self, eval_problems: int) -> None:
+    """Every prompt the run can draw fits max_prompt_len, else `DataFileError` naming the
+    file, the row and the key (a too-long prompt would otherwise fail mid-run, at the step
+    that first draws it); warns once when sampled prompts are mostly unknown tokens.
+
+    File tasks encode every training and held-out prompt once (the chat template, as
+    `prompts` does); the synthetic task's widest prompt is `longest_prompt_problem`.
+    """
+    if self.synthetic is not None:
+      sources = [("task.max_prompt_len", [synthetic.longest_prompt_problem(self.synthetic)])]
+    else:
+      held = next((k for k in ("task.eval_path", "task.eval_split") if k in self.fingerprint),
+                  "task.path")
+      sources = [("task.path", self.train_set), (held, self.eval_set[:eval_problems])]
+    unk = self.tok.token_to_id(self.tok.special_tokens.get("unk_token", "")) \
+        if self.tok.special_tokens.get("unk_token") else None
+    unreadable, sampled, example = 0, 0, None
+    for key, problems in sources:
+      for i, p in enumerate(problems):
+        ids = encode_prompt(self.tok, p)
+        if len(ids) > self.max_prompt_len:
+          where = (f"{self.fingerprint[key]['path']}, problem {p.uid}" if key in
+                   self.fingerprint else f"the synthetic task's longest prompt {p.prompt!r}")
+          raise DataFileError(f"{where}: the prompt is {len(ids)} tokens, more than "
+                              f"task.max_prompt_len={self.max_prompt_len}; raise it (or drop "
+                              "the row)")
+        if unk is not None and i < COVERAGE_SAMPLE:
+          sampled += 1
+          n_unk = sum(1 for t in ids if t == unk)
+          if 2 * n_unk > len(ids):
+            unreadable += 1
+            example = example or (p.uid, n_unk, len(ids))
+    if unreadable:
+      uid, n_unk, n = example
+      log.warning("%d of %d sampled prompts are mostly unknown tokens to the tokenizer at %s "
+                  "(problem %s: %d of %d tokens are %s): the model cannot read them; train a "
+                  "model whose tokenizer covers the data (model.path)", unreadable, sampled,
+                  self.tok.path, uid, n_unk, n, self.tok.special_tokens["unk_token"])
 
   def batch(self, pos: int, n: int) -> list[Problem]:
     """Training problems pos .. pos+n-1: a pure function of (config, seed, pos), so the data

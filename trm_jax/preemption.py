@@ -1,0 +1,137 @@
+"""Preemption: SIGTERM / SIGINT become a stop request that the trainer honours between steps.
+
+A TPU VM, GKE or SLURM sends SIGTERM some seconds before it takes the machine; Ctrl-C sends
+SIGINT. Python's defaults would kill the run (SIGTERM) or raise KeyboardInterrupt wherever
+the main thread happens to be (SIGINT), losing every step since the last periodic checkpoint
+and any save in flight. Under `StopOnSignal`:
+
+  * the first signal only records the request (and says so on stderr);
+  * the trainer finishes the step it is in (rollout, updates, its evaluation), writes a
+    checkpoint of it, flushes the metrics and exits with `exit_code(signum)`: 128 + the
+    signal number (143 for SIGTERM, 130 for SIGINT), the shell's convention for a process
+    ended by that signal, so a scheduler or a sweep never reads a preempted run as finished;
+  * a second signal exits at once (`os._exit`), for when the grace period is shorter than a
+    step; the last finalized checkpoint is intact (orbax writes into a temporary directory
+    and renames it last).
+
+Multi-process: a signal may reach one process, all of them, or all at slightly different
+steps, and every process must stop after the same step (a checkpoint is a collective).
+`should_stop` therefore gathers every process's flag (`multihost_utils.process_allgather`)
+and stops when any is set; it is called at the same point of every step by every process,
+so the collectives line up. We do not use `multihost_utils.reached_preemption_sync_point`:
+it needs jax.distributed's preemption service, which learns of SIGTERM only (not SIGINT)
+through its own C++ handler and does not exist in a single-process run, where this module
+must behave the same. The gather costs one tiny collective per step.
+
+Test hook: TRM_DEBUG_SIGNAL="phase@step[#process][:SIGNAL][,...]" makes the process (every
+process, or only the one with that jax.process_index) send itself the signal (default TERM)
+when it reaches `debug_point(phase, step)`, so tests deliver real signals at named moments
+(phases: rollout, update, eval, save). A run reaches only the steps after the one it resumed
+from, so one value serves a chain of resumed runs.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Optional
+
+import numpy as np
+
+DEBUG_ENV = "TRM_DEBUG_SIGNAL"
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def exit_code(signum: int) -> int:
+  """The exit status of a run stopped by `signum`: 128 + signum (SIGTERM: 143, SIGINT: 130)."""
+  return 128 + int(signum)
+
+
+class Preempted(Exception):
+  """The run stopped early on a signal after checkpointing its last step; `code` is the exit
+  status the CLI ends with."""
+
+  def __init__(self, message: str, signum: int):
+    super().__init__(message)
+    self.signum = signum
+    self.code = exit_code(signum)
+
+
+class StopOnSignal:
+  """Context manager: SIGTERM and SIGINT request a stop; a second one exits at once.
+
+    with StopOnSignal() as stop:
+      while ...:
+        if stop.should_stop():   # every process, same point of every step
+          ...save, raise Preempted(...)
+
+  Installs the handlers only in the main thread (Python allows no other) and restores the
+  previous ones on exit; elsewhere it is inert and `should_stop` is always False.
+  """
+
+  def __init__(self):
+    self.signum: Optional[int] = None   # the first signal received by this process
+    self._previous: dict = {}
+
+  def __enter__(self) -> "StopOnSignal":
+    if threading.current_thread() is threading.main_thread():
+      for s in SIGNALS:
+        self._previous[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, h in self._previous.items():
+      signal.signal(s, h)
+    self._previous = {}
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    name = signal.Signals(signum).name
+    # os.write, not print or logging: the handler runs between two bytecodes of the main
+    # thread, which may be inside a write to the same stream (the progress bar's).
+    if self.signum is not None:
+      os.write(2, f"\n{name} again: exiting at once without saving the current step "
+                  f"(exit code {exit_code(signum)})\n".encode())
+      os._exit(exit_code(signum))
+    self.signum = signum
+    os.write(2, f"\n{name} received: finishing the current step, then saving a checkpoint "
+                f"and exiting (send it again to exit at once)\n".encode())
+
+  def should_stop(self) -> Optional[int]:
+    """The signal number if any process has been asked to stop, else None (a collective when
+    jax.process_count() > 1: call it at the same point on every process)."""
+    import jax  # pylint: disable=g-import-not-at-top  (keeps this module light)
+    mine = self.signum or 0
+    if jax.process_count() == 1:
+      return mine or None
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    flags = np.asarray(multihost_utils.process_allgather(np.int32(mine)))
+    got = int(flags.max())
+    if got and not mine:
+      self.signum = got  # so the exit code and message are the same on every process
+    return got or None
+
+
+def _debug_moments() -> dict[tuple[str, int, Optional[int]], int]:
+  """{(phase, step, process index or None = every process): signal} from TRM_DEBUG_SIGNAL."""
+  out = {}
+  for item in filter(None, (s.strip() for s in os.environ.get(DEBUG_ENV, "").split(","))):
+    where, _, sig = item.partition(":")
+    where, _, proc = where.partition("#")
+    phase, _, step = where.partition("@")
+    out[(phase, int(step), int(proc) if proc else None)] = getattr(signal, "SIG" + (sig or "TERM"))
+  return out
+
+
+def debug_point(phase: str, step: int) -> None:
+  """Test hook (module docstring): sends this process the signal TRM_DEBUG_SIGNAL names for
+  (phase, step), if any; free when the variable is unset."""
+  if DEBUG_ENV not in os.environ:
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  moments = _debug_moments()
+  for proc in (None, jax.process_index()):
+    signum = moments.get((phase, int(step), proc))
+    if signum is not None:
+      os.kill(os.getpid(), signum)
+      return
