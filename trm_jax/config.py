@@ -395,8 +395,14 @@ def synthetic_problem_count(s: ml_collections.ConfigDict) -> int:
 
 def _known_model_limits(c: ml_collections.ConfigDict) -> dict:
   """What `check_model_fit` can check before the model loads: the warm-up model's positions
-  (from model.arch), or the ones in model.path's config.json if it is there and readable
-  (a broken one is reported, with the file named, when the model loads)."""
+  and vocabulary (model.arch, the synthetic tokenizer), or the ones in model.path's
+  config.json if it is there and readable (a broken one is reported, with the file named,
+  when the model loads)."""
+  if not c.model.path and c.task.name != "synthetic":
+    # The warm-up model would be trained on a file task, which no config intends (the paper
+    # configs say model.path must be set) and `trm_jax.aot` validates such configs with a
+    # model of its own: the limits are checked once the model is loaded.
+    return {"max_positions": None, "vocab_size": None}
   if not c.model.path:
     from trm_jax.data import synthetic  # pylint: disable=g-import-not-at-top
     # The warm-up model's vocabulary is the synthetic tokenizer's (warmup.build_base_model).

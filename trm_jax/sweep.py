@@ -11,7 +11,8 @@ Each cell is one `trm_jax.train.run` in its own process and its own workdir
 side. A cell is done when its `summary.json` exists; re-running the same command skips done
 cells and resumes unfinished ones from their last orbax checkpoint (the trainer's own resume).
 The plan (config + cells) is stored in `WORKDIR/sweep.json`; re-running with a different plan
-for an existing cell name is an error rather than a silent mix of two experiments.
+for an existing cell name is an error rather than a silent mix of two experiments. One sweep
+runs per workdir (`WORKDIR/.sweep.lock`, a second is refused with exit 2).
 
 Cells share one persistent XLA compilation cache (`WORKDIR/jax_cache`), so cells that differ
 only in data (seeds) or in values that are arrays at run time compile once. The warm-up base

@@ -28,6 +28,11 @@ Scale and faults:
   * Exact resume: everything the loop reads is in the checkpoint (params, AdamW state with
     its schedule count, the data position) or a pure function of (seed, step); a run killed
     at any point and resumed ends with bitwise identical parameters.
+  * Preemption (preemption.py): SIGTERM / SIGINT finish the current step, checkpoint it
+    (every process agreeing on the step), flush the metrics and exit 128 + signal (143 /
+    130) with one line; a second signal exits at once. Resume also refuses changed data (the
+    checkpoint's data fingerprint) unless --allow_config_change, and repairs a metrics line
+    torn by a crash from the checkpoint's copy of it.
   * A skipped update (non-finite loss or gradient, or every sequence masked) is counted in
     `learner/skipped`; `rl.max_consecutive_skips` skipped steps in a row stop the run with a
     message (`debug.nan_step` injects a NaN step). A failed background checkpoint save stops
