@@ -217,7 +217,7 @@ def test_moe_config_with_routing_replay_compiles_every_program_for_v5e_2x4(tmp_p
        os.path.join(ROOT, "configs", "tiny_moe_mismatch.py"),
        "--config.rollout.routing_replay=True", "--topology", "v5e:2x4", "--out", str(out),
        f"--config.warmup.cache_dir={tmp_path / 'no_base'}", "--config.rl.batch_size=16",
-       "--config.rl.group_size=4", "--config.eval_problems=8"],
+       "--config.rl.group_size=4", "--config.eval_problems=8", "--config.rl.chunk=32"],
       capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "model the warm-up base model's architecture (config.model.arch)" in r.stdout
