@@ -152,6 +152,7 @@ def test_disaggregated_sampler_gets_its_devices_and_a_copy_in_its_dtype():
   from trm_jax.kernels import tpu_aot             # pylint: disable=g-import-not-at-top
   c = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py"))
   c.mesh.rollout_devices, c.rollout.dtype, c.rl.staleness = 1, "bfloat16", 1
+  c.rl.batch_size = 48   # divides the learner's 3 chips (check_batch_mesh)
   cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128)
   devices = tpu_aot.topology_devices("v5e:2x2")
@@ -235,7 +236,7 @@ def test_moe_config_with_routing_replay_compiles_every_program_for_v5e_2x4(tmp_p
     ("tiny_trm.py", {}),
     ("tiny_smd.py", {}),
     ("tiny_trm.py", {"mesh.rollout_devices": 2, "rl.staleness": 1, "rollout.dtype": "bfloat16",
-                     "rl.kl_beta": 0.01}),
+                     "rl.kl_beta": 0.01, "rl.batch_size": 24}),   # 24: 6 learner chips
 ], ids=["trm", "smd", "disaggregated_stale_kl"])
 def test_every_trainer_program_of_the_tiny_configs_lowers_for_v5e_2x4(config, overrides):
   """Every program of each shipped tiny config (the MoE one with routing replay compiles in
@@ -254,6 +255,19 @@ def test_every_trainer_program_of_the_tiny_configs_lowers_for_v5e_2x4(config, ov
     assert "tpu_custom_call" in text and "sdy.manual_computation" in text, program.name
   if overrides:
     assert s.sync["sampler_devices"] == 2 and s.programs["rollout"].mesh.size == 2
+
+
+@needs_libtpu
+def test_a_batch_the_slice_does_not_divide_is_refused_naming_it(tmp_path, capsys):
+  from trm_jax import aot   # pylint: disable=g-import-not-at-top
+  argv = ["--config", os.path.join(ROOT, "configs", "tiny_smd.py"), "--topology", "v5e:2x2",
+          "--model", _tiny_model(tmp_path), "--config.rl.batch_size=6",
+          "--config.rl.group_size=2", "--out", str(tmp_path / "r.json")]
+  assert aot.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: inconsistent config [rl.batch_size, mesh]: batch_size=6 does "
+                        "not split over the 4 batch shards"), err
+  assert len(err.splitlines()) == 1
 
 
 @needs_libtpu

@@ -226,6 +226,9 @@ def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence,
   model sharded on the topology's devices. Only the platform differs from a host of that
   kind: attn_impl="auto" resolves as it would there ("tpu" or "gpu")."""
   mesh, sampler_mesh = meshes(c, devices)
+  # As the trainer does right after building its meshes: a batch the mesh does not divide
+  # would be replicated on every device.
+  config_lib.check_batch_mesh(c, mesh, None if sampler_mesh is mesh else sampler_mesh)
   P, R = task_lengths(c)
   c = ml_collections.ConfigDict(c.to_dict())
   c.model.attn_impl = impl = resolve_impl(c.model.attn_impl, platform)
