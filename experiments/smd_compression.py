@@ -96,7 +96,8 @@ def learner_memory(methods, fixed: dict) -> dict:
     P, R = task.max_prompt_len, task.max_new_tokens
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optax.adamw(1e-4)
-    _, update = make_learner(graphdef, tx, programs.learner_config(c, R), response_start=P)
+    lcfg = programs.learner_config(c, R)
+    _, update = make_learner(graphdef, tx, lcfg, response_start=P)
     B, T, cfg = c.rl.batch_size, P + R, model.config
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     batch = LearnerBatch(
@@ -104,7 +105,7 @@ def learner_memory(methods, fixed: dict) -> dict:
         segment_ids=jax.ShapeDtypeStruct((B, T), jnp.int32), response_mask=f32(B, T),
         logp_roll=f32(B, T), advantages=f32(B), logp_old=f32(B, T), token_weights=f32(B, T),
         evicted_at=(jax.ShapeDtypeStruct((B, cfg.num_layers, cfg.num_kv_heads, T), jnp.int32)
-                    if c.smd.mode == "smd" else None),
+                    if lcfg.learner_mode.replays_eviction else None),
         roll_logp_full=f32(B, T, cfg.vocab_size) if c.rollout.keep_full_logprobs else None)
     opt_state = jax.eval_shape(tx.init, params)
     mem = update.lower(params, opt_state, rest, batch).compile().memory_analysis()

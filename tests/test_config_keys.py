@@ -13,6 +13,8 @@ from ml_collections import ConfigDict
 
 from trm_jax import config as config_lib
 from trm_jax import programs, train
+from trm_jax.rl.objectives import OBJECTIVES
+from trm_jax.rollout.policies import POLICIES
 
 pytestmark = pytest.mark.slow
 
@@ -87,11 +89,11 @@ def test_every_config_key_is_read(tmp_path, monkeypatch, shared_run):
   assert (tmp_path / "run" / "summary.json").exists()
 
   # Branches one run does not take: the settings of the other objectives and cache policies.
-  for objective in ("ppo_clip", "tis"):
+  for objective in OBJECTIVES:
     c.rl.objective = objective
     programs.learner_config(c, max_len=8)
   c.rollout.cache.ratio = 0.5
-  for policy in ("snapkv", "h2o", "recent", "random"):
+  for policy in POLICIES:
     c.rollout.cache.policy = policy
     programs.cache_config(c)
 

@@ -11,7 +11,7 @@ from trm_jax.kernels.visibility import NEVER_EVICTED
 from trm_jax.models import kv_cache
 from trm_jax.rollout import CacheConfig, SamplingConfig, sampled_logprobs, token_logprobs
 from trm_jax.rollout import cache as kv
-from trm_jax.rollout import eviction, sampling
+from trm_jax.rollout import eviction, policies, sampling
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -152,12 +152,12 @@ def test_evict_uses_an_empty_slot_below_budget():
 def test_random_priorities_are_fresh_per_step_and_slot_independent():
   key = jax.random.key(0)
   pos = jnp.array([[[3, 7, 5]]], jnp.int32)
-  a = eviction.random_priority(key, 0, 10, pos)
-  b = eviction.random_priority(key, 0, 10, pos[..., ::-1])
+  a = policies.random_priority(key, 0, 10, pos)
+  b = policies.random_priority(key, 0, 10, pos[..., ::-1])
   np.testing.assert_array_equal(a, b[..., ::-1])                     # depends on index, not slot
-  assert not np.array_equal(a, eviction.random_priority(key, 0, 11, pos))
-  assert not np.array_equal(a, eviction.random_priority(key, 1, 10, pos))
-  u = eviction.random_priority(key, 0, 3, jnp.arange(20_000, dtype=jnp.int32)[None, None])
+  assert not np.array_equal(a, policies.random_priority(key, 0, 11, pos))
+  assert not np.array_equal(a, policies.random_priority(key, 1, 10, pos))
+  u = policies.random_priority(key, 0, 3, jnp.arange(20_000, dtype=jnp.int32)[None, None])
   assert 0 <= float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
 
 

@@ -1,7 +1,8 @@
 """Shadow Mask Distillation through the learner: exactness, TRM on top, gradients, baselines.
 
-One set of compressed-cache rollouts (SnapKV, H2O, recent, random at 50% and 70% compression,
-prompts of mixed lengths, tiny fp32 model, temperature 0.9) drives every test:
+One set of compressed-cache rollouts (every registered policy, `rollout.POLICIES`: SnapKV, H2O,
+recent, random, at 50% and 70% compression, prompts of mixed lengths, tiny fp32 model,
+temperature 0.9) drives every test:
 
   * the learner's masked track (`score` in mode "smd") reproduces the rollout's log-probs to
     1e-5, so the importance ratio is 1 to rounding; also through the Pallas kernel (interpret);
@@ -31,7 +32,7 @@ from prompt_fixtures import left_padded_prompts
 from trm_jax.models import make_test_model
 from trm_jax.models.decoder import Decoder
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
-from trm_jax.rollout import CacheConfig, generate
+from trm_jax.rollout import POLICIES, CacheConfig, generate
 
 P, N = 16, 12
 LENS = np.array([16, 9, 5, 12], np.int32)
@@ -52,13 +53,13 @@ BF16_BOUND = 0.1
 # --dist loadgroup` they stay on one worker instead of generating the rollouts twice.
 pytestmark = pytest.mark.xdist_group("smd")
 
-POLICIES = {
+OPTIONS = {   # per-policy settings (a registered policy not named here: its defaults)
     "snapkv": dict(policy="snapkv", window=4, kernel=3),
     "h2o": dict(policy="h2o", recent_frac=0.5),
     "recent": dict(policy="recent", sinks=2),
     "random": dict(policy="random"),
 }
-SETTINGS = [(name, ratio) for name in POLICIES for ratio in (0.5, 0.7)]
+SETTINGS = [(name, ratio) for name in sorted(POLICIES) for ratio in (0.5, 0.7)]
 IDS = [f"{n}-{int(r * 100)}" for n, r in SETTINGS]
 
 
@@ -100,7 +101,7 @@ def rollouts(model, prompts):
   out = {}
   for name, ratio in SETTINGS:
     ro = generate(model, prompts, LENS, max_new_tokens=N, key=KEY, eos_ids=(),
-                  temperature=TEMPERATURE, cache=CacheConfig(ratio=ratio, **POLICIES[name]),
+                  temperature=TEMPERATURE, cache=CacheConfig(ratio=ratio, **OPTIONS.get(name, dict(policy=name))),
                   keep_full_logprobs=True)
     out[name, ratio] = (ro, _batch(ro))
   return out
@@ -171,7 +172,7 @@ def test_masked_track_bf16(model, split, prompts, rollouts, scorer):
   g16 = nnx.split(nnx.eval_shape(lambda: Decoder(model.config.replace(dtype="bfloat16"),
                                                  rngs=nnx.Rngs(0))), nnx.Param, ...)[0]
   ro = generate(model, prompts, LENS, max_new_tokens=N, key=KEY, eos_ids=(),
-                temperature=TEMPERATURE, cache=CacheConfig(ratio=0.5, **POLICIES["h2o"]),
+                temperature=TEMPERATURE, cache=CacheConfig(ratio=0.5, **OPTIONS["h2o"]),
                 keep_full_logprobs=True,
                 compute_dtype=jnp.bfloat16)
   logp, _, _, _ = scorer("smd", "reference", g16)(params, rest, _batch(ro))

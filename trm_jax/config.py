@@ -261,9 +261,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   """
   # pylint: disable=g-import-not-at-top  (jax-heavy modules; the config module stays light)
   from trm_jax.rl.advantages import BASELINES
-  from trm_jax.rl.learner import MODES
+  from trm_jax.rl.modes import MODES
   from trm_jax.rl.objectives import LOSS_AGG_MODES, OBJECTIVES
-  from trm_jax.rollout.types import POLICIES
+  from trm_jax.rollout.policies import POLICIES
+  from trm_jax.rollout.types import DENSE
   from trm_jax.trm import CRITERIA
   for key in ("rl.staleness", "mesh.rollout_devices"):
     v = _get(c, key)
@@ -283,12 +284,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _one_of(c, "rl.objective", sorted(OBJECTIVES))
   _one_of(c, "rl.loss_agg", LOSS_AGG_MODES)
   _one_of(c, "rl.baseline", BASELINES)
-  _one_of(c, "rollout.cache.policy", POLICIES)
+  _one_of(c, "rollout.cache.policy", (DENSE, *POLICIES))
   _one_of(c, "smd.mode", MODES)
   _one_of(c, "model.dtype", DTYPES)
   _one_of(c, "rollout.dtype", DTYPES)
   cc = c.rollout.cache
-  if cc.policy != "none":
+  if cc.policy != DENSE:
     _require((cc.ratio > 0) != (cc.capacity > 0),
              ["rollout.cache.ratio", "rollout.cache.capacity"],
              f"rollout.cache.policy={cc.policy!r} needs exactly one of ratio in (0, 1) or "
@@ -308,8 +309,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(c.eval_every >= 0, ["eval_every"], "must be >= 0 (0 = only at the end)")
   _require(c.eval_problems >= 0 and c.eval_samples >= 1, ["eval_problems", "eval_samples"],
            "need eval_problems >= 0 and eval_samples >= 1")
-  if c.smd.mode in ("naive", "sparse_rl", "smd"):
-    _require(c.rollout.cache.policy != "none", ["smd.mode", "rollout.cache.policy"],
+  if MODES[c.smd.mode].needs_compressed_cache:
+    _require(c.rollout.cache.policy != DENSE, ["smd.mode", "rollout.cache.policy"],
              f"smd.mode={c.smd.mode!r} needs a compressed rollout cache")
   for name in c.trm.criteria:
     _require(name in CRITERIA, ["trm.criteria"],

@@ -37,9 +37,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from trm_jax import sharding as shd
 from trm_jax.config import ConfigError
-from trm_jax.rl import optim
+from trm_jax.rl import objectives, optim
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
 from trm_jax.rollout import CacheConfig, sampler_graphdef, sampling_config
+from trm_jax.rollout.policies import get_policy
+from trm_jax.rollout.types import DENSE
 from trm_jax.rollout.sampler import make_generate, routing_dtype
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -50,9 +52,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # ------------------------------------------------------------------------------------------
 def learner_config(c: ml_collections.ConfigDict, max_len: int) -> LearnerConfig:
   r = c.rl
-  kwargs = {"ppo_clip": (("clip_eps_low", r.clip_eps_low), ("clip_eps_high", r.clip_eps_high),
-                         ("dual_clip_c", r.dual_clip_c)),
-            "tis": (("tis_cap", r.tis_cap),)}.get(r.objective, ())
+  # The objective's own settings: the `rl` keys its registry entry names.
+  kwargs = tuple((k, r[k]) for k in objectives.get_objective(r.objective).config_fields)
   thresholds = tuple((k, float(v)) for k, v in c.trm.items() if k != "criteria")
   return LearnerConfig(objective=r.objective, loss_agg=r.loss_agg, objective_kwargs=kwargs,
                        max_len=max_len, criteria=tuple(c.trm.criteria), thresholds=thresholds,
@@ -63,12 +64,14 @@ def learner_config(c: ml_collections.ConfigDict, max_len: int) -> LearnerConfig:
 
 
 def cache_config(c: ml_collections.ConfigDict) -> CacheConfig:
+  """The sampler's cache: dense for "none", else the policy's budget and its own settings
+  (the `rollout.cache` keys its registry entry names)."""
   cc = c.rollout.cache
-  if cc.policy == "none":
+  if cc.policy == DENSE:
     return CacheConfig()
   budget = ({"capacity": cc.capacity} if cc.capacity else {"ratio": cc.ratio})
-  return CacheConfig(policy=cc.policy, window=cc.window, kernel=cc.kernel,
-                     recent_frac=cc.recent_frac, sinks=cc.sinks, **budget)
+  own = {k: cc[k] for k in get_policy(cc.policy).config_fields}
+  return CacheConfig(policy=cc.policy, **own, **budget)
 
 
 def make_optimizer(c: ml_collections.ConfigDict):
@@ -252,7 +255,7 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
         response_mask=row((n, T)), logp_roll=row((n, T)), advantages=row((n,)),
         logp_old=row((n, T)), token_weights=row((n, T)),
         evicted_at=(row((n, mcfg.num_layers, mcfg.num_kv_heads, T), jnp.int32)
-                    if lcfg.mode == "smd" else None),
+                    if lcfg.learner_mode.replays_eviction else None),
         roll_logp_full=row((n, T, mcfg.vocab_size)) if r.keep_full_logprobs else None,
         roll_topk_logp=row((n, T, k)) if k else None,
         roll_topk_ids=row((n, T, k), jnp.int32) if k else None,
@@ -286,7 +289,7 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
   if sizes.eval_problems:
     k = c.eval_samples
     caches = {"": CacheConfig()}
-    if cache.policy != "none":
+    if cache.compresses:
       caches["_compressed"] = cache
     for suffix, cc in caches.items():
       for n in (1, k) if k > 1 else (1,):

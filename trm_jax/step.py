@@ -214,7 +214,7 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
       tokens=ro.tokens, segment_ids=ro.segment_ids, response_mask=ro.response_mask,
       logp_roll=ro.logp, advantages=np.zeros(B, np.float32), logp_old=ro.logp,
       token_weights=np.ones((B, T), np.float32),
-      evicted_at=ro.evicted_at if ctx.lcfg.mode == "smd" else None,
+      evicted_at=ro.evicted_at if ctx.lcfg.learner_mode.replays_eviction else None,
       roll_logp_full=ro.full_logp, roll_topk_logp=ro.topk_logp, roll_topk_ids=ro.topk_ids,
       routed_experts=ro.routed_experts), ctx.mesh)
   resp = batch.response_mask.astype(jnp.float32)
@@ -224,7 +224,7 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   batch = batch.replace(logp_old=logp_old, token_weights=weights)
   if ctx.ref_params is not None:
     batch = batch.replace(logp_ref=ctx.score(ctx.ref_params, ctx.rest, batch)[0])
-  if ctx.lcfg.mode == "sparse_rl":
+  if ctx.lcfg.learner_mode.ratio_to_learner:
     # Sparse-RL's weights already carry the dense/sparse correction: the surrogate's ratio
     # is then taken against the dense learner's own log-probs, not the sparse sampler's.
     batch = batch.replace(logp_roll=logp_old)
@@ -350,7 +350,7 @@ def evaluate(ctx: RLContext, params, *, step: Optional[int] = None) -> dict:
   c, task = ctx.c, ctx.task
   problems = task.eval_problems(c.eval_problems)
   k = c.eval_samples
-  suffixes = [""] + (["_compressed"] if c.rollout.cache.policy != "none" else [])
+  suffixes = [""] + (["_compressed"] if ctx.programs.cache.compresses else [])
   state = nnx.merge_state(params, ctx.rest)
   key = jax.random.key(c.seed + 3)
   out = {}

@@ -14,6 +14,21 @@ import jax.numpy as jnp
 from trm_jax.kernels.visibility import LayerVisibility, visible_mask
 
 
+def guarded_softmax(logits: jax.Array) -> jax.Array:
+  """Softmax over the last axis of fp32 logits that may be -inf (masked keys).
+
+  A fully masked row has max = -inf; 0 is used there so exp() gives 0, not NaN, and the row's
+  probabilities are all 0. The cached decode (`models.kv_cache.attend`) and the eviction
+  scores (`rollout.policies`) use this same function, so their probabilities are the
+  reference's op for op.
+  """
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(logits - m)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  return p / jnp.where(denom > 0, denom, 1.0)
+
+
 def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array,
                         vis: Optional[LayerVisibility] = None, *,
                         scale: Optional[float] = None) -> jax.Array:
@@ -37,13 +52,7 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array,
   logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k,
                       preferred_element_type=jnp.float32) * scale   # [B, K, G, T, S]
   mask = visible_mask(vis or LayerVisibility(), B, K, T)[:, :, None]  # [B, K, 1, T, S]
-  logits = jnp.where(mask, logits, -jnp.inf)
-  # Guarded softmax: a fully masked row has max = -inf; use 0 there so exp() gives 0, not NaN.
-  m = jnp.max(logits, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.exp(logits - m)
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  p = p / jnp.where(denom > 0, denom, 1.0)
+  p = guarded_softmax(jnp.where(mask, logits, -jnp.inf))
   o = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v,
                  preferred_element_type=jnp.float32)
   return o.reshape(B, T, N, H).astype(q.dtype)

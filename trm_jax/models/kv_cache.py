@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from trm_jax.kernels.attention_ref import guarded_softmax
+
 
 @struct.dataclass
 class KVCache:
@@ -123,13 +125,8 @@ def attend(q: jax.Array, cache: KVCache, *, scale: Optional[float] = None):
   qg = q.reshape(B, K, G, H)
   logits = jnp.einsum("BKGH,BKCH->BKGC", qg, cache.k,
                       preferred_element_type=jnp.float32) * scale   # [B, K, G, C]
-  logits = jnp.where((cache.pos >= 0)[:, :, None, :], logits, -jnp.inf)
-  # Same guarded softmax as attention_ref (a row always sees at least its own key here).
-  m = jnp.max(logits, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.exp(logits - m)
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  p = p / jnp.where(denom > 0, denom, 1.0)
+  # The reference's guarded softmax (a row always sees at least its own key here).
+  p = guarded_softmax(jnp.where((cache.pos >= 0)[:, :, None, :], logits, -jnp.inf))
   o = jnp.einsum("BKGC,BKCH->BKGH", p.astype(cache.v.dtype), cache.v,
                  preferred_element_type=jnp.float32)
   return o.reshape(B, N, H).astype(q.dtype), p

@@ -2,8 +2,11 @@
 
   advantages  GRPO group-normalised advantages (with / without std; Dr.GRPO), baseline over
               all rollouts of a group by default (TRM-masked ones included, see the module).
-  objectives  trm_surrogate | ppo_clip | tis | token_mask, chosen by name; each takes TRM's
-              sequence mask, four loss aggregation modes, optional k3 KL to a reference.
+  objectives  the OBJECTIVES registry: trm_surrogate | ppo_clip | tis, chosen by name
+              (rl.objective); each takes TRM's sequence mask, four loss aggregation modes,
+              optional k3 KL to a reference (token masking is the TRM criterion token_mask).
+  modes       the MODES registry of learner modes (smd.mode): off | dense | naive |
+              sparse_rl | smd, what each scores, replays, distils and weights.
   optim       AdamW + warmup-cosine + global-norm clipping; gradient accumulation that equals
               one big batch; the non-finite update guard.
   sparse_rl   the Sparse-RL baseline's token weights, sequence veto and wasted fraction.
@@ -11,8 +14,10 @@
 No model code lives here: the learner step composes these with the model and `trm_jax.trm`.
 """
 from trm_jax.rl.advantages import drgrpo_advantages, group_advantages
-from trm_jax.rl.objectives import (LOSS_AGG_MODES, OBJECTIVES, aggregate, compute_loss,
-                                   get_objective, loss_normalizer)
+from trm_jax.rl.modes import MODES, LearnerMode, get_mode, register_mode
+from trm_jax.rl.objectives import (LOSS_AGG_MODES, OBJECTIVES, Objective, aggregate,
+                                   compute_loss, get_objective, loss_normalizer,
+                                   register_objective)
 from trm_jax.rl.optim import (accumulate_gradients, all_finite, apply_if_finite,
                               make_optimizer, make_schedule)
 from trm_jax.rl.sparse_rl import SparseRLWeights, sparse_rl_weights

@@ -6,7 +6,7 @@ Data flow for a rollout batch (docs/architecture.md):
     (1) hidden states of the learner track (shadow visibility in SMD mode, dense otherwise)
     (2) chunked per-token log-probs (+ exact KL/TV when the rollout kept full log-probs)
     (3) TRM token statistics -> sequence mask M and monitors (rejection rates, PPL gap, B*)
-    (4) Sparse-RL token weights (sparse_rl mode), logp_old for PPO ratios
+    (4) the mode's token weights (Sparse-RL's), logp_old for PPO ratios
   update(params, opt_state, minibatch)   per minibatch, microbatches accumulated with lax.scan
     (1) learner track -> logp_theta; dense teacher track under stop_gradient (SMD)
     (2) M recomputed from the current pi_theta (TRM's mask is a property of the policy pair,
@@ -15,12 +15,9 @@ Data flow for a rollout batch (docs/architecture.md):
     (4) optax update, skipped exactly when the loss or a gradient is non-finite, or when
         every sequence of the minibatch is masked (no signal; `learner/skipped`)
 
-Learner tracks by `mode` (the SMD paper's comparisons, docs/smd.md):
-  "off" / "dense"  rollouts with a dense cache; the learner is dense (evicted_at ignored).
-  "naive"          sparse rollouts scored by the dense learner as if on-policy.
-  "sparse_rl"      dense learner, Sparse-RL token weights and vetoes on the dense/sparse ratio.
-  "smd"            learner replays the rollout's `evicted_at` (pi_shadow == pi_sparse), plus the
-                   dense stop-gradient teacher distilled with weight `lam`.
+Learner tracks by `mode`: the entries of `rl.modes.MODES` (the SMD paper's comparisons,
+docs/smd.md); the objective is an entry of `rl.objectives.OBJECTIVES`. This module reads their
+fields, never their names.
 
 Deviation from the SMD paper: the distillation KL is applied on every response token, including
 sequences TRM masks out; it is a supervised term against the dense teacher, not an off-policy
@@ -39,10 +36,9 @@ from flax import nnx, struct
 
 from trm_jax import trm
 from trm_jax.kernels import Visibility
-from trm_jax.rl import objectives, optim, sparse_rl
+from trm_jax.rl import modes, objectives, optim
 from trm_jax.rl.token_terms import token_terms
 
-MODES = ("off", "dense", "naive", "sparse_rl", "smd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +46,12 @@ class LearnerConfig:
   """Static learner settings (hashable: part of the compiled program)."""
   objective: str = "trm_surrogate"
   loss_agg: str = "seq-mean-token-sum"
-  objective_kwargs: tuple = ()        # ((name, value), ...) e.g. clip_eps_low for ppo_clip
+  objective_kwargs: tuple = ()        # ((name, value), ...) of the objective's config_fields
   max_len: Optional[int] = None       # Dr.GRPO constant normaliser
   criteria: tuple = ()                # TRM criteria names, ANDed
   thresholds: tuple = ()              # ((name, value), ...)
-  mode: str = "off"
-  lam: float = 0.1                    # SMD distillation weight
+  mode: str = "off"                   # a key of rl.modes.MODES
+  lam: float = 0.1                    # SMD distillation weight (modes that distill)
   num_microbatches: int = 1
   chunk: int = 128                    # positions per vocabulary projection
   attn_impl: str = "auto"
@@ -64,12 +60,19 @@ class LearnerConfig:
   length_edges: tuple = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
   def __post_init__(self):
-    if self.mode not in MODES:
-      raise ValueError(f"LearnerConfig.mode={self.mode!r}; expected one of {MODES}")
+    modes.get_mode(self.mode)
     objectives.get_objective(self.objective)
     for n in self.criteria:
       if n not in trm.CRITERIA:
         raise ValueError(f"unknown TRM criterion {n!r}; known: {sorted(trm.CRITERIA)}")
+
+  @property
+  def learner_mode(self) -> modes.LearnerMode:
+    return modes.get_mode(self.mode)
+
+  @property
+  def objective_entry(self) -> objectives.Objective:
+    return objectives.get_objective(self.objective)
 
 
 @struct.dataclass
@@ -82,7 +85,7 @@ class LearnerBatch:
   advantages: jax.Array      # [B] float32
   logp_old: jax.Array        # [B, T] float32 pi_theta before this update (PPO ratios)
   token_weights: jax.Array   # [B, T] float32 (Sparse-RL weights; ones otherwise)
-  evicted_at: Optional[jax.Array] = None      # [B, L, K, T] int32 (SMD replay)
+  evicted_at: Optional[jax.Array] = None      # [B, L, K, T] int32 (modes that replay eviction)
   roll_logp_full: Optional[jax.Array] = None  # [B, T, V] float32 (exact TRM divergences)
   roll_topk_logp: Optional[jax.Array] = None  # [B, T, k] float32 (top-k + tail lower bounds)
   roll_topk_ids: Optional[jax.Array] = None   # [B, T, k] int32
@@ -98,7 +101,7 @@ def _forward(model, batch: LearnerBatch, cfg: LearnerConfig, *, with_teacher: bo
   in the learner track and the teacher alike: replay defines the policy being trained, the
   teacher differs from it only by the eviction mask. `with_routing` also returns the
   MoE layers' `Routing` (the router's own choices, for the flip rate)."""
-  shadow = cfg.mode == "smd" and batch.evicted_at is not None
+  shadow = cfg.learner_mode.replays_eviction and batch.evicted_at is not None
   vis = Visibility(segment_ids=batch.segment_ids,
                    evicted_at=batch.evicted_at if shadow else None)
   h, routing = model.hidden_states(batch.tokens, visibility=vis, attn_impl=cfg.attn_impl,
@@ -151,7 +154,8 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   not recompile for a layout XLA happened to choose); None leaves the layout to propagation.
   """
   P = response_start
-  distill = cfg.mode == "smd" and cfg.lam > 0
+  mode, objective = cfg.learner_mode, cfg.objective_entry
+  distill = mode.distills and cfg.lam > 0
 
   @jax.jit
   def score(params, rest, batch: LearnerBatch):
@@ -174,11 +178,9 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       metrics["moe/replay_flip_rate"] = replay_flip_rate(routing, batch.routed_experts,
                                                          batch.segment_ids)
     weights = jnp.ones_like(batch.response_mask)
-    if cfg.mode == "sparse_rl":
-      w = sparse_rl.sparse_rl_weights(logp, batch.logp_roll, batch.response_mask)
-      weights = w.token_weights
-      metrics["sparse_rl/wasted_frac"] = w.wasted_frac
-      metrics["sparse_rl/veto_frac"] = w.veto_frac
+    if mode.token_weights is not None:
+      weights, mode_metrics = mode.token_weights(logp, batch.logp_roll, batch.response_mask)
+      metrics.update(mode_metrics)
     return logp, weights, seq_mask, metrics
 
   def loss_fn(params, rest, mb: LearnerBatch, normalizer):
@@ -193,7 +195,7 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     loss, metrics = objectives.compute_loss(
         cfg.objective, logp_theta=terms["logp"], logp_roll=mb.logp_roll,
         advantages=mb.advantages, response_mask=mb.response_mask, seq_mask=seq_mask,
-        logp_old=mb.logp_old if cfg.objective == "ppo_clip" else None,
+        logp_old=mb.logp_old if objective.uses_logp_old else None,
         token_weights=weights, loss_agg=cfg.loss_agg, normalizer=normalizer[0],
         max_len=cfg.max_len,
         **({"logp_ref": mb.logp_ref, "kl_beta": cfg.kl_beta} if cfg.kl_beta > 0 else {}),

@@ -9,7 +9,8 @@ scalar to *minimise* (minus the surrogate) and `metrics` a dict of fp32 scalars.
   advantages     [B] or [B, T]  (one per sequence, e.g. GRPO, or one per token).
   response_mask  [B, T]  1 on generated tokens, 0 on prompt and padding.
   seq_mask       [B]     TRM's M(x, y) in {0, 1}, 1 = keep (computed by `trm_jax.trm`).
-  logp_old       [B, T]  PPO's behaviour policy; `ppo_clip` only, defaults to logp_roll.
+  logp_old       [B, T]  PPO's behaviour policy; only objectives registered with
+                         `uses_logp_old` (ppo_clip) take it; defaults to logp_roll.
   logp_ref, kl_beta      optional k3 KL penalty to a reference policy (both or neither).
   token_weights  [B, T]  optional fixed per-token weights on the policy-gradient term
                          (Sparse-RL's, `trm_jax.rl.sparse_rl`; token-level TRM criteria).
@@ -52,6 +53,7 @@ NaN) at prompt or padding positions never reaches the loss or the gradient.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import jax
@@ -198,8 +200,8 @@ def _prepare(logp_theta, logp_roll, advantages, response_mask, seq_mask, logp_ol
                      f"(got logp_ref={'set' if logp_ref is not None else None}, "
                      f"kl_beta={kl_beta!r})")
   if logp_old is not None and not uses_old:
-    raise ValueError(f"logp_old is only used by ppo_clip; {name} measures its ratio against "
-                     "logp_roll")
+    raise ValueError(f"logp_old is read only by objectives registered with uses_logp_old "
+                     f"(ppo_clip); {name} measures its ratio against logp_roll")
   valid = sg(response_mask) > 0                                        # [B, T] bool
   adv = sg(jnp.asarray(advantages)).astype(jnp.float32)
   adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, valid.shape)  # [B, T]
@@ -292,21 +294,43 @@ def truncated_is(*, logp_theta, logp_roll, advantages, response_mask, seq_mask, 
 
 
 # ---------------------------------------------------------------------------------------------
-# Registry: the trainer config names the objective.
+# Registry: the trainer config names the objective (rl.objective).
 # ---------------------------------------------------------------------------------------------
-OBJECTIVES: dict[str, Callable[..., tuple[jax.Array, dict]]] = {
-    "trm_surrogate": trm_surrogate,
-    "ppo_clip": ppo_clip,
-    "tis": truncated_is,
-}
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """A registered objective: its loss and what it reads beyond the inputs every one takes."""
+  loss: Callable[..., tuple[jax.Array, dict]]   # keyword-only, as described above
+  config_fields: tuple[str, ...] = ()   # keys of the config's `rl` section, passed to `loss`
+                                        #   under the same names (LearnerConfig.objective_kwargs)
+  uses_logp_old: bool = False           # reads LearnerBatch.logp_old (PPO's behaviour policy)
 
 
-def get_objective(name: str) -> Callable[..., tuple[jax.Array, dict]]:
+OBJECTIVES: dict[str, Objective] = {}
+
+
+def register_objective(name: str, loss: Callable[..., tuple[jax.Array, dict]], *,
+                       config_fields: tuple[str, ...] = (),
+                       uses_logp_old: bool = False) -> Objective:
+  """Adds `loss` under `name` (the value of `rl.objective`); `config_fields` name the `rl`
+  settings it takes as keyword arguments."""
+  if name in OBJECTIVES:
+    raise ValueError(f"objective {name!r} is already registered")
+  OBJECTIVES[name] = Objective(loss, tuple(config_fields), uses_logp_old)
+  return OBJECTIVES[name]
+
+
+register_objective("trm_surrogate", trm_surrogate)
+register_objective("ppo_clip", ppo_clip, config_fields=("clip_eps_low", "clip_eps_high",
+                                                        "dual_clip_c"), uses_logp_old=True)
+register_objective("tis", truncated_is, config_fields=("tis_cap",))
+
+
+def get_objective(name: str) -> Objective:
   if name not in OBJECTIVES:
     raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, got {name!r}")
   return OBJECTIVES[name]
 
 
 def compute_loss(objective: str, **kwargs) -> tuple[jax.Array, dict]:
-  """`get_objective(objective)(**kwargs)`: the config-facing entry point."""
-  return get_objective(objective)(**kwargs)
+  """`get_objective(objective).loss(**kwargs)`: the config-facing entry point."""
+  return get_objective(objective).loss(**kwargs)

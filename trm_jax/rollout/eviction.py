@@ -1,31 +1,13 @@
-"""KV eviction policies as pure functions, per layer and per KV head.
+"""Eviction as pure functions, per layer and per KV head, for any registered cache policy.
 
-Every policy is the same two-level ranking of the keys a (row, kv head) holds:
-
-    (protected, priority, array index)      lowest = evicted first, highest = kept first
-
-  snapkv  protected: the observation window (last `window` prompt positions); priority: the
-          window queries' attention to each key, summed over the window and the GQA group,
-          pooled over neighbouring keys (SnapKV, Li et al. 2024, Sec. 4). Prompt only.
-  h2o     protected: the most recent `recent_frac * budget` keys; priority: attention mass
-          accumulated over every query that saw the key (H2O, Zhang et al. 2023, Alg. 1).
-  recent  protected: the first `sinks` valid tokens; priority: the array index, so the
-          oldest goes first (StreamingLLM, Xiao et al. 2024). RoPE positions are kept, not
-          re-assigned inside the window (deviation from StreamingLLM's cache-relative
-          positions: the learner must see the sampler's positions).
-  random  priority: fresh uniform draws per (layer, step, key) (`random_priority`);
-          nothing protected.
-
-Ties fall back to the array index (older evicted first), which makes every decision a function
-of positions and scores only, not of slot layout, and lets `tests/test_rollout_resim.py`
-re-derive it in plain numpy.
-
-Two moments use the ranking: after prefill (`select_prompt`: keep the top `keep` prompt keys;
-the others get evicted_at = P, the first generated query) and, with scope="sequence", before
-each decode query i that would overflow the budget (`evict`: drop the lowest key, evicted_at =
-i). Deviation from H2O's description: H2O evicts after attending with budget + 1 keys; we
-evict before inserting key i, so no query ever sees more than `budget` keys. The decision uses
-the same information (scores through query i - 1).
+A policy (`rollout.policies`) ranks the keys a (row, kv head) holds by (protected,
+priority, array index), lowest evicted first. Two moments use the ranking: after prefill
+(`select_prompt`: keep the top `keep` prompt keys; the others get evicted_at = P, the first
+generated query) and, with scope="sequence", before each decode query i that would overflow
+the budget (`evict`: drop the lowest key, evicted_at = i). Deviation from H2O's description:
+H2O evicts after attending with budget + 1 keys; we evict before inserting key i, so no query
+ever sees more than `budget` keys. The decision uses the same information (scores through
+query i - 1).
 
 `CacheEviction` plugs all of this into the model's cached attention (it is the
 `trm_jax.models.CachePolicy` the sampler passes to `Decoder.prefill` / `decode_step`); each
@@ -42,110 +24,7 @@ import jax.numpy as jnp
 from trm_jax.kernels.visibility import NEVER_EVICTED
 from trm_jax.models.kv_cache import KVCache
 from trm_jax.rollout import cache as kv
-from trm_jax.rollout.types import RATIO_GRID, CacheConfig
-
-
-def _fmix32(x: jax.Array) -> jax.Array:
-  """MurmurHash3's 32-bit finaliser: a cheap bijective mixer on uint32."""
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x85EBCA6B)
-  x = x ^ (x >> 13)
-  x = x * jnp.uint32(0xC2B2AE35)
-  return x ^ (x >> 16)
-
-
-def random_priority(key: jax.Array, layer: int, step, pos: jax.Array) -> jax.Array:
-  """Uniform [0, 1) draws [B, K, S] for the keys at array indices pos [B, K, S].
-
-  A hash of (key, layer, step, row, kv head, array index): fresh at every step, and indexed
-  by array position rather than slot, so a re-simulation can reproduce it. A counter hash
-  instead of `jax.random` draws because only the C held keys need a value per step, and
-  threefry per step would dominate compile time of the decode loop.
-  """
-  B, K, S = pos.shape
-  seed = jax.random.bits(key, (), jnp.uint32)
-  row = (jnp.arange(B, dtype=jnp.uint32)[:, None] * jnp.uint32(K)
-         + jnp.arange(K, dtype=jnp.uint32)[None, :])[:, :, None]                  # [B, K, 1]
-  h = _fmix32(seed ^ (jnp.uint32(layer) * jnp.uint32(0x9E3779B9)))
-  h = _fmix32(h ^ jnp.asarray(step).astype(jnp.uint32))
-  h = _fmix32(h ^ row)
-  h = _fmix32(h ^ pos.astype(jnp.uint32))
-  return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
-
-
-def _masked_probs(q: jax.Array, k: jax.Array, q_idx: jax.Array, valid: jax.Array,
-                  scale: float) -> jax.Array:
-  """Attention probabilities of queries q [B, W, N, H] at array indices q_idx [W] over the
-  prompt keys k [B, P, K, H] with validity valid [B, P] -> [B, K, G, W, P] fp32."""
-  B, W, N, H = q.shape
-  P, K = k.shape[1], k.shape[2]
-  qg = q.reshape(B, W, K, N // K, H)
-  logits = jnp.einsum("BWKGH,BSKH->BKGWS", qg, k,
-                      preferred_element_type=jnp.float32) * scale
-  j = jnp.arange(P)
-  mask = (j[None, :] <= q_idx[:, None])[None] & valid[:, None, :]           # [B, W, P]
-  mask = mask & jnp.take(valid, q_idx, axis=1)[:, :, None]                    # query valid
-  logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-  m = jnp.max(logits, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.exp(logits - m)
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  return p / jnp.where(denom > 0, denom, 1.0)
-
-
-def prompt_scores(cfg: CacheConfig, q: jax.Array, k: jax.Array, valid: jax.Array, *,
-                  scale: Optional[float] = None) -> jax.Array:
-  """Per-key scores from the prefill: q [B, P, N, H], k [B, P, K, H], valid [B, P] ->
-  [B, K, P] fp32 (SnapKV: pooled window attention; H2O: accumulated attention; else 0)."""
-  B, P, N, H = q.shape
-  K = k.shape[2]
-  scale = H ** -0.5 if scale is None else scale
-  if cfg.policy == "h2o":
-    q_idx = jnp.arange(P)
-    return _masked_probs(q, k, q_idx, valid, scale).sum(axis=(2, 3))
-  if cfg.policy != "snapkv":
-    return jnp.zeros((B, K, P), jnp.float32)
-  w = min(cfg.window, P)
-  q_idx = jnp.arange(P - w, P)
-  s = _masked_probs(q[:, P - w:], k, q_idx, valid, scale).sum(axis=(2, 3))  # [B, K, P]
-  # SnapKV pools the prefix scores only: window keys are kept anyway and must not lend their
-  # (large, self-attention) mass to neighbours.
-  in_prefix = (jnp.arange(P) < P - w)[None, None] & valid[:, None, :]
-  s = jnp.where(in_prefix, s, 0.0)
-  pad = ((0, 0), (0, 0), (cfg.kernel // 2, cfg.kernel // 2))
-  if cfg.pooling == "max":
-    return jax.lax.reduce_window(s, -jnp.inf, jax.lax.max, (1, 1, cfg.kernel), (1, 1, 1), pad)
-  # avg pooling counts the padding, like torch's avg_pool1d default.
-  return jax.lax.reduce_window(s, 0.0, jax.lax.add, (1, 1, cfg.kernel), (1, 1, 1),
-                               pad) / cfg.kernel
-
-
-def priorities(cfg: CacheConfig, pos: jax.Array, score: jax.Array, *, step, start: jax.Array,
-               budget: jax.Array, prompt_len: int, layer: int,
-               rand_key: Optional[jax.Array]) -> Tuple[jax.Array, jax.Array]:
-  """The ranking keys of held keys.
-
-  Args:
-    pos: [B, K, S] int32 array index of each key (-1 = none).
-    score: [B, K, S] fp32 per-key score (H2O accumulated attention, SnapKV pooled score).
-    step: [] query index about to be served (P right after prefill).
-    start: [B] array index of each row's first valid token (P - prompt length).
-    budget: [B] keys a row may hold.
-    prompt_len: static P (SnapKV's window is the last `window` prompt positions).
-    rand_key: PRNG key of the random policy (see `random_priority`), else None.
-  Returns:
-    protected [B, K, S] bool and priority [B, K, S] fp32.
-  """
-  if cfg.policy == "snapkv":
-    return pos >= prompt_len - min(cfg.window, prompt_len), score
-  if cfg.policy == "h2o":
-    recent = (budget * int(round(cfg.recent_frac * RATIO_GRID))) // RATIO_GRID   # [B]
-    return pos >= step - recent[:, None, None], score
-  if cfg.policy == "recent":
-    return pos < start[:, None, None] + cfg.sinks, pos.astype(jnp.float32)
-  if cfg.policy == "random":
-    return jnp.zeros(pos.shape, bool), random_priority(rand_key, layer, step, pos)
-  raise ValueError(f"policy {cfg.policy!r} has no eviction ranking")
+from trm_jax.rollout.types import CacheConfig
 
 
 def select_prompt(cfg: CacheConfig, valid: jax.Array, score: jax.Array, keep: jax.Array, *,
@@ -155,17 +34,18 @@ def select_prompt(cfg: CacheConfig, valid: jax.Array, score: jax.Array, keep: ja
 
   Args:
     valid: [B, P] bool non-padding prompt positions.
-    score: [B, K, P] from `prompt_scores`.
+    score: [B, K, P] from the policy's `prompt_scores`.
     keep: [B] int32 keys to keep per row (<= valid count).
   Returns:
     [B, K, P] bool, exactly keep[b] True entries per (b, kv head), all on valid positions.
   """
   B, K, P = score.shape
-  if cfg.policy == "none":
+  if not cfg.compresses:
     return jnp.broadcast_to(valid[:, None], (B, K, P))
   pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, K, P))
-  prot, prio = priorities(cfg, pos, score, step=P, start=start, budget=budget,
-                          prompt_len=P, layer=layer, rand_key=rand_key)
+  prot, prio = cfg.eviction_policy.priorities(
+      cfg, pos, score, step=P, start=start, budget=budget, prompt_len=P, layer=layer,
+      rand_key=rand_key)
   v = jnp.broadcast_to(valid[:, None], (B, K, P))
   order = jnp.lexsort((pos, prio, prot, v), axis=-1)     # ascending: evicted first
   rank = jnp.argsort(order, axis=-1)                      # rank of each key in that order
@@ -200,9 +80,9 @@ def evict(cfg: CacheConfig, cache: KVCache, *, layer: int, step, start: jax.Arra
   T = cache.evicted_at.shape[-1]
   valid = cache.pos >= 0
   full = jnp.sum(valid, axis=-1) >= budget[:, None]                     # [B, K]
-  prot, prio = priorities(cfg, cache.pos, cache.score, step=step, start=start,
-                          budget=budget, prompt_len=prompt_len, layer=layer,
-                          rand_key=rand_key)
+  prot, prio = cfg.eviction_policy.priorities(
+      cfg, cache.pos, cache.score, step=step, start=start, budget=budget,
+      prompt_len=prompt_len, layer=layer, rand_key=rand_key)
   victim = _lex_argmin(valid, prot, prio, cache.pos)
   empty = jnp.argmax(~valid, axis=-1).astype(jnp.int32)
   slot = jnp.where(full, victim, empty)
@@ -229,22 +109,23 @@ class CacheEviction:
   length: int                      # T = P + R, the retention record's length
   prompt_slots: int                # Cp: slots of the compressed prompt (`cache.prompt_slots`)
   total_slots: int                 # C (`cache.num_slots`)
-  rand_key: Optional[jax.Array]    # the random policy's key (`random_priority`)
+  rand_key: Optional[jax.Array]    # the random policy's key (`policies.random_priority`)
 
   def prefill(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
     """Prompt q [B, P, N, H], k/v [B, P, K, H] -> the layer's cache; dropped prompt keys get
     evicted_at = P (the first generated query cannot see them)."""
-    cfg, valid = self.cfg, self.valid
-    P = valid.shape[1]
-    score = prompt_scores(cfg, q, k, valid)                                  # [B, K, P]
+    cfg, valid, policy = self.cfg, self.valid, self.cfg.eviction_policy
+    B, P, K, H = k.shape
+    score = (jnp.zeros((B, K, P), jnp.float32) if policy is None else
+             policy.prompt_scores(cfg, q, k, valid, H ** -0.5))             # [B, K, P]
     kept = select_prompt(cfg, valid, score, self.keep, start=self.start, budget=self.budget,
                          layer=layer, rand_key=self.rand_key)                # [B, K, P]
     dropped = valid[:, None, :] & ~kept
-    B, K = kept.shape[:2]
     evicted_at = jnp.full((B, K, self.length), NEVER_EVICTED, jnp.int32)
     evicted_at = evicted_at.at[:, :, :P].set(jnp.where(dropped, P, NEVER_EVICTED))
-    # Only H2O reads a per-slot score during decoding; other policies carry none.
-    cache = kv.from_prompt(k, v, kept, score if cfg.policy == "h2o" else None,
+    # Only a policy that keeps a score (H2O) carries one per slot through decoding.
+    keeps = policy is not None and policy.keeps_score
+    cache = kv.from_prompt(k, v, kept, score if keeps else None,
                            num_prompt_slots=self.prompt_slots, num_total_slots=self.total_slots)
     return cache.replace(evicted_at=evicted_at)
 
@@ -261,7 +142,6 @@ class CacheEviction:
     return cache, self.prompt_slots + (index - self.valid.shape[1])
 
   def observe(self, layer: int, cache: KVCache, probs: jax.Array) -> KVCache:
-    """H2O accumulates each key's attention mass, summed over the GQA group."""
-    if self.cfg.policy == "h2o":
-      return cache.replace(score=cache.score + probs.sum(axis=2))
-    return cache
+    """The policy's update of the per-slot score (H2O: accumulated attention mass)."""
+    policy = self.cfg.eviction_policy
+    return cache if policy is None else policy.observe(cache, probs)

@@ -15,9 +15,9 @@ from typing import Optional, Tuple
 import jax
 from flax import struct
 
-POLICIES = ("none", "snapkv", "h2o", "recent", "random")
+DENSE = "none"   # CacheConfig.policy of the dense cache; any other value names an entry of
+                 #   rollout.policies.POLICIES (snapkv, h2o, recent, random, ...)
 SCOPES = ("prompt", "sequence")
-POOLINGS = ("max", "avg")
 # Compression ratios are resolved on a 1e-4 grid so that budgets are computed with integer
 # arithmetic, identically in numpy (static capacity) and in jnp (per-row budgets).
 RATIO_GRID = 10_000
@@ -39,7 +39,7 @@ class CacheConfig:
                      before each decode step that would overflow it.
   The cache memory is its static slot count C (see `cache.num_slots`), never T.
   """
-  policy: str = "none"          # one of POLICIES
+  policy: str = DENSE           # "none" or a registered policy (rollout.policies.POLICIES)
   ratio: Optional[float] = None  # fraction of keys removed, in [0, 1)
   capacity: Optional[int] = None  # absolute budget in keys (alternative to ratio)
   scope: Optional[str] = None   # "prompt" | "sequence"; None = the policy's default
@@ -50,9 +50,8 @@ class CacheConfig:
   sinks: int = 4                # StreamingLLM: first valid tokens never evicted
 
   def __post_init__(self):
-    if self.policy not in POLICIES:
-      raise ValueError(f"CacheConfig.policy={self.policy!r}; expected one of {POLICIES}")
-    if self.policy == "none":
+    policy = self.eviction_policy          # raises for an unregistered name
+    if policy is None:
       if self.ratio is not None or self.capacity is not None:
         raise ValueError("CacheConfig(policy='none') takes neither ratio nor capacity")
     elif (self.ratio is None) == (self.capacity is None):
@@ -64,26 +63,29 @@ class CacheConfig:
       raise ValueError(f"CacheConfig.capacity={self.capacity} must be >= 1")
     if self.scope is not None and self.scope not in SCOPES:
       raise ValueError(f"CacheConfig.scope={self.scope!r}; expected one of {SCOPES}")
-    if self.policy == "snapkv" and self.scope == "sequence":
-      raise ValueError("CacheConfig: SnapKV compresses the prompt only (scope='prompt')")
-    if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
-      raise ValueError(f"CacheConfig.window={self.window} must be >= 1 and kernel="
-                       f"{self.kernel} odd and >= 1")
-    if self.pooling not in POOLINGS:
-      raise ValueError(f"CacheConfig.pooling={self.pooling!r}; expected one of {POOLINGS}")
-    if not 0.0 <= self.recent_frac <= 1.0:
-      raise ValueError(f"CacheConfig.recent_frac={self.recent_frac} must be in [0, 1]")
-    if self.sinks < 0:
-      raise ValueError(f"CacheConfig.sinks={self.sinks} must be >= 0")
+    if policy is not None:
+      if self.scope is not None and self.scope not in policy.scopes:
+        raise ValueError(f"CacheConfig: policy {self.policy!r} supports scope "
+                         f"{' or '.join(map(repr, policy.scopes))}, not {self.scope!r}")
+      policy.check(self)
+
+  @property
+  def compresses(self) -> bool:
+    """False for the dense cache (policy "none"), True for every eviction policy."""
+    return self.policy != DENSE
+
+  @property
+  def eviction_policy(self):
+    """The `rollout.policies.EvictionPolicy` registered as `policy`; None for the dense cache."""
+    from trm_jax.rollout.policies import get_policy  # pylint: disable=g-import-not-at-top
+    return get_policy(self.policy) if self.compresses else None   # (policies imports us)
 
   @property
   def resolved_scope(self) -> Optional[str]:
     """None for the dense cache, else "prompt" or "sequence"."""
-    if self.policy == "none":
+    if not self.compresses:
       return None
-    if self.scope is not None:
-      return self.scope
-    return "prompt" if self.policy == "snapkv" else "sequence"
+    return self.scope if self.scope is not None else self.eviction_policy.scopes[0]
 
   @property
   def keep_num(self) -> Optional[int]:

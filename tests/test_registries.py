@@ -1,0 +1,121 @@
+"""A new objective or cache policy is one definition plus a registration (docs/architecture.md).
+
+Both toys below are defined and registered here, in the test file, and nowhere in the package:
+  * a cache policy runs through the sampler and the learner: the rollout's log-probs equal a
+    teacher-forced replay of its `evicted_at`, and the learner in SMD mode scores them with a
+    ratio of 1;
+  * the trainer's `rl_step` runs with a toy objective (one setting of its own in `config.rl`)
+    on rollouts of the toy cache policy in SMD mode: the config reaches both through their
+    registry entries alone, and the update moves the parameters.
+Each fixture removes its entry again, so no other test sees it.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from prompt_fixtures import left_padded_prompts
+from trm_jax import config as config_lib
+from trm_jax import step as step_lib
+from trm_jax import train, warmup
+from trm_jax.data import Task, synthetic
+from trm_jax.kernels import NEVER_EVICTED, Visibility
+from trm_jax.models import Decoder, make_test_model
+from trm_jax.rl import objectives
+from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
+from trm_jax.rollout import CacheConfig, EvictionPolicy, SamplingConfig, generate, policies
+from trm_jax.rollout import token_logprobs
+
+
+class KeepEven(EvictionPolicy):
+  """Toy: keys at even array indices are protected; among the others the newest goes first."""
+  traced = 0
+
+  def priorities(self, cfg, pos, score, **_):
+    KeepEven.traced += 1
+    return pos % 2 == 0, -pos.astype(jnp.float32)
+
+
+def toy_reinforce(*, logp_theta, logp_roll, advantages, response_mask, seq_mask, loss_agg,
+                  toy_scale, token_weights=None, normalizer=None, max_len=None,
+                  logp_old=None):
+  """Toy: -toy_scale * log pi_theta per kept token (a gradient whatever the advantages)."""
+  del logp_roll, advantages, logp_old
+  w = response_mask * seq_mask[:, None] * (1.0 if token_weights is None else token_weights)
+  loss = objectives.aggregate(-toy_scale * logp_theta, w, response_mask, loss_agg=loss_agg,
+                              normalizer=normalizer, max_len=max_len)
+  return loss, {"toy/scale": jnp.float32(toy_scale)}
+
+
+@pytest.fixture
+def keep_even():
+  policies.register_policy("keep_even", KeepEven())
+  yield "keep_even"
+  del policies.POLICIES["keep_even"]
+
+
+@pytest.fixture
+def toy_objective():
+  objectives.register_objective("toy_reinforce", toy_reinforce, config_fields=("toy_scale",))
+  yield "toy_reinforce"
+  del objectives.OBJECTIVES["toy_reinforce"]
+
+
+def test_toy_cache_policy_through_sampler_and_learner(keep_even):
+  P, R, lens = 8, 6, np.array([8, 5], np.int32)
+  model = make_test_model(seed=1)
+  cc = CacheConfig(policy=keep_even, ratio=0.5)
+  ro = generate(model, left_padded_prompts(lens, P), lens, max_new_tokens=R,
+                key=jax.random.key(0), eos_ids=(), cache=cc)
+  assert KeepEven.traced > 0
+  ev = np.asarray(ro.evicted_at)
+  gone = np.argwhere(ev < NEVER_EVICTED)
+  assert gone.size and (gone[:, -1] % 2 == 1).all()          # only odd indices ever leave
+
+  logits = model(ro.tokens, visibility=Visibility(segment_ids=ro.segment_ids,
+                                                  evicted_at=ro.evicted_at))
+  tf = np.asarray(token_logprobs(logits[:, :-1], ro.tokens[:, 1:],
+                                 SamplingConfig(max_new_tokens=R)))
+  mask = np.asarray(ro.response_mask[:, 1:]) == 1
+  np.testing.assert_allclose(np.asarray(ro.logp)[:, 1:][mask], tf[mask], atol=1e-5, rtol=0)
+
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  score, _ = make_learner(graphdef, optax.sgd(0.0), LearnerConfig(mode="smd", chunk=8),
+                          response_start=P)
+  B, T = ro.tokens.shape
+  batch = LearnerBatch(tokens=ro.tokens, segment_ids=ro.segment_ids,
+                       response_mask=ro.response_mask.astype(jnp.float32), logp_roll=ro.logp,
+                       advantages=jnp.zeros((B,)), logp_old=ro.logp,
+                       token_weights=jnp.ones((B, T)), evicted_at=ro.evicted_at)
+  logp = np.asarray(score(params, rest, batch)[0])
+  resp = np.asarray(ro.response_mask) == 1
+  np.testing.assert_allclose(logp[resp], np.asarray(ro.logp)[resp], atol=1e-5, rtol=0)
+
+
+def test_toy_objective_and_policy_in_rl_step(keep_even, toy_objective, tmp_path):
+  c = config_lib.load_config("tiny_trm")
+  c.rl.objective, c.rl.toy_scale = toy_objective, 0.5      # the toy's own setting
+  c.rollout.cache.policy, c.rollout.cache.ratio, c.smd.mode = keep_even, 0.5, "smd"
+  c.rl.batch_size, c.rl.group_size, c.eval_problems, c.total_steps = 8, 2, 0, 1
+  c.trm.criteria, c.rollout.dtype, c.rollout.logit_noise = (), "float32", 0.0
+  c.task.synthetic.max_operands, c.task.synthetic.max_value = 2, 5
+  c.model.arch.hidden_size, c.model.arch.intermediate_size = 32, 64
+  config_lib.validate(c)
+  tok = synthetic.make_synthetic_tokenizer(str(tmp_path))
+  mesh, _ = train.make_mesh(c)
+  with jax.set_mesh(mesh):
+    model = Decoder(warmup.base_model_config(c, tok), rngs=nnx.Rngs(0))
+    task = Task(c.task, seed=c.seed, tokenizer=tok, eval_problems=0)
+    ctx, state = step_lib.make_context(c, mesh, model, tok, task)
+    assert ctx.programs.cache.policy == keep_even
+    assert ctx.lcfg.objective_kwargs == (("toy_scale", 0.5),)
+    before = jax.tree.map(np.asarray, state.params)
+    KeepEven.traced = 0
+    state, metrics = step_lib.rl_step(ctx, state)
+  assert KeepEven.traced > 0
+  assert metrics["toy/scale"] == 0.5 and metrics["learner/skipped"] == 0.0
+  assert metrics["smd/distill_kl"] >= 0.0
+  moved = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state.params)
+  assert any(jax.tree.leaves(moved))
