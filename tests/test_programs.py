@@ -44,7 +44,9 @@ def _spec(sig):
 @pytest.mark.parametrize("variant", ["colocated_smd_eval", "disaggregated_stale"])
 def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch, variant):
   c = shared_run.config()
-  c.total_steps, c.rl.batch_size, c.rl.group_size = 2, 8, 4
+  # Batches that divide the learner's devices (8, or 6 beside a 2-device sampler) per
+  # minibatch, as config.check_batch_mesh requires.
+  c.total_steps, c.rl.batch_size, c.rl.group_size = 2, 16, 4
   # eval_samples = 1: one evaluation program per cache (the sampled ones differ only in
   # their static sampling settings, which the AOT tests compile).
   c.rl.num_minibatches, c.eval_problems, c.eval_samples = 2, 4, 1
@@ -52,7 +54,7 @@ def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch
     c.rollout.cache.policy, c.rollout.cache.ratio, c.smd.mode = "h2o", 0.5, "smd"
   else:
     c.mesh.rollout_devices, c.rl.staleness, c.rollout.dtype = 2, 1, "bfloat16"
-    c.eval_problems = 0
+    c.eval_problems, c.rl.batch_size = 0, 24
   calls = []
   real_call = programs_lib.Program.__call__
 
