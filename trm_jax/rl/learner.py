@@ -43,7 +43,10 @@ from trm_jax.rl.token_terms import token_terms
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
-  """Static learner settings (hashable: part of the compiled program)."""
+  """Static learner settings (hashable: part of the compiled program).
+
+  The defaults serve direct use of the library (tests, benchmarks); the trainer sets every
+  field the config has from it (programs.learner_config; its values may differ: rl.chunk)."""
   objective: str = "trm_surrogate"
   loss_agg: str = "seq-mean-token-sum"
   objective_kwargs: tuple = ()        # ((name, value), ...) of the objective's config_fields

@@ -38,6 +38,9 @@ class CacheConfig:
                      prompt is compressed to that budget after prefill, and one key is evicted
                      before each decode step that would overflow it.
   The cache memory is its static slot count C (see `cache.num_slots`), never T.
+
+  The defaults below are the papers' values, for direct use of the library; the trainer
+  always passes the config's `rollout.cache` settings the policy reads (programs.cache_config).
   """
   policy: str = DENSE           # "none" or a registered policy (rollout.policies.POLICIES)
   ratio: Optional[float] = None  # fraction of keys removed, in [0, 1)
