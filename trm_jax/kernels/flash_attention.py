@@ -66,6 +66,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from trm_jax.kernels.flash_common import check_inputs, flash_with_vjp, round_up
 from trm_jax.kernels.visibility import LayerVisibility
 
 # Finite stand-in for -inf in the running max, so that exp(m_prev - m_next) is never
@@ -338,34 +339,12 @@ def _backward(q, k, v, seg, ev, o, lse, do, st: _Static):
 # --------------------------------------------------------------------------------------------
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
 
 def _pow2_at_least(x: int, lo: int) -> int:
   p = lo
   while p < x:
     p *= 2
   return p
-
-
-def _check_inputs(q, k, v, vis: LayerVisibility):
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"flash_attention: q {q.shape}, k {k.shape}, v {v.shape} must be "
-                     "[B, T, N, H], [B, T, K, H], [B, T, K, H]")
-  B, T, N, H = q.shape
-  K = k.shape[2]
-  if k.shape != (B, T, K, H) or v.shape != k.shape:
-    raise ValueError(f"flash_attention: k {k.shape} and v {v.shape} must both be "
-                     f"[B={B}, T={T}, K, H={H}] (self-attention over one array)")
-  if N % K:
-    raise ValueError(f"flash_attention: query heads N={N} must be a multiple of kv heads K={K}")
-  if vis.segment_ids is not None and vis.segment_ids.shape != (B, T):
-    raise ValueError(f"flash_attention: segment_ids {vis.segment_ids.shape} != [B, T] = "
-                     f"{(B, T)}")
-  if vis.evicted_at is not None and vis.evicted_at.shape != (B, K, T):
-    raise ValueError(f"flash_attention: evicted_at {vis.evicted_at.shape} != [B, K, T] = "
-                     f"{(B, K, T)} (pass LayerVisibility, i.e. Visibility.layer(l))")
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -386,12 +365,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     [B, T, N, H] in q.dtype; query rows that see no key are zeros. Differentiable in q, k, v.
   """
   vis = vis or LayerVisibility()
-  _check_inputs(q, k, v, vis)
+  check_inputs("flash_attention", q, k, v, vis)
   B, T, N, H = q.shape
   K = k.shape[2]
   scale = H ** -0.5 if scale is None else float(scale)
   st = _Static(scale=scale, groups=N // K, blocks=block_sizes, interpret=interpret)
-  T_pad = _round_up(T, max(block_sizes.block_q, block_sizes.block_k,
+  T_pad = round_up(T, max(block_sizes.block_q, block_sizes.block_k,
                            block_sizes.block_q_bwd, block_sizes.block_k_bwd))
   H_pad = _pow2_at_least(H, 16)
   pad4 = ((0, 0), (0, T_pad - T), (0, 0), (0, H_pad - H))
@@ -408,21 +387,5 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   return o[:, :T, :, :H]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, seg, ev, st: _Static):
-  """Padded q [B, T, N, H], k/v [B, T, K, H], seg [B, T] | None, ev [B, K, T] | None."""
-  return _forward(q, k, v, seg, ev, st)[0]
-
-
-def _flash_fwd(q, k, v, seg, ev, st: _Static):
-  o, lse = _forward(q, k, v, seg, ev, st)
-  return o, (q, k, v, seg, ev, o, lse)
-
-
-def _flash_bwd(st: _Static, res, do):
-  q, k, v, seg, ev, o, lse = res
-  dq, dk, dv = _backward(q, k, v, seg, ev, o, lse, do, st)
-  return dq, dk, dv, None, None   # integer side inputs get no cotangent
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+# Padded q [B, T, N, H], k/v [B, T, K, H], seg [B, T] | None, ev [B, K, T] | None.
+_flash = flash_with_vjp(_forward, _backward)

@@ -91,6 +91,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from trm_jax.kernels.tpu_blocks import (LANES, SmemTables, TPUBlockSizes, block_tables,
                                         plan_blocks)
+from trm_jax.kernels.flash_common import check_inputs, flash_with_vjp, round_up
 from trm_jax.kernels.visibility import LayerVisibility
 
 # Finite stand-in for -inf in the running max (exp(m_prev - m_next) is never inf - inf).
@@ -430,32 +431,9 @@ def _backward(q, k, v, seg, ev, o, lse, do, st: _Static):
 # --------------------------------------------------------------------------------------------
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def _check_inputs(q, k, v, vis: LayerVisibility):
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"flash_attention_tpu: q {q.shape}, k {k.shape}, v {v.shape} must be "
-                     "[B, T, N, H], [B, T, K, H], [B, T, K, H]")
-  B, T, N, H = q.shape
-  K = k.shape[2]
-  if k.shape != (B, T, K, H) or v.shape != k.shape:
-    raise ValueError(f"flash_attention_tpu: k {k.shape} and v {v.shape} must both be "
-                     f"[B={B}, T={T}, K, H={H}] (self-attention over one array)")
-  if N % K:
-    raise ValueError(f"flash_attention_tpu: query heads N={N} must be a multiple of kv heads "
-                     f"K={K}")
-  if vis.segment_ids is not None and vis.segment_ids.shape != (B, T):
-    raise ValueError(f"flash_attention_tpu: segment_ids {vis.segment_ids.shape} != [B, T] = "
-                     f"{(B, T)}")
-  if vis.evicted_at is not None and vis.evicted_at.shape != (B, K, T):
-    raise ValueError(f"flash_attention_tpu: evicted_at {vis.evicted_at.shape} != [B, K, T] = "
-                     f"{(B, K, T)} (pass LayerVisibility, i.e. Visibility.layer(l))")
-
 
 def _padded_length(T: int, blocks: TPUBlockSizes) -> int:
-  return _round_up(T, max(blocks.block_q, blocks.block_k, blocks.block_q_bwd,
+  return round_up(T, max(blocks.block_q, blocks.block_k, blocks.block_q_bwd,
                           blocks.block_k_bwd))
 
 
@@ -489,13 +467,13 @@ def flash_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
     [B, T, N, H] in q.dtype; query rows that see no key are zeros. Differentiable in q, k, v.
   """
   vis = vis or LayerVisibility()
-  _check_inputs(q, k, v, vis)
+  check_inputs("flash_attention_tpu", q, k, v, vis)
   B, T, N, H = q.shape
   K = k.shape[2]
   blocks, heads_fwd, heads_bwd = plan_blocks(block_sizes, T, N // K,
                                              jnp.dtype(q.dtype).itemsize)
   T_pad = _padded_length(T, blocks)
-  Hp = _round_up(H, LANES)
+  Hp = round_up(H, LANES)
   st = _Static(scale=H ** -0.5 if scale is None else float(scale), groups=N // K,
                head_dim=Hp, blocks=blocks, heads_fwd=heads_fwd, heads_bwd=heads_bwd,
                interpret=interpret)
@@ -506,21 +484,5 @@ def flash_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
   return o.reshape(B, T_pad, N, Hp)[:, :T, :, :H]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, seg, ev, st: _Static):
-  """Padded q [B, T, N*Hp], k/v [B, T, K*Hp], seg [B, T], ev [B, K, T] | None."""
-  return _forward(q, k, v, seg, ev, st)[0]
-
-
-def _flash_fwd(q, k, v, seg, ev, st: _Static):
-  o, lse = _forward(q, k, v, seg, ev, st)
-  return o, (q, k, v, seg, ev, o, lse)
-
-
-def _flash_bwd(st: _Static, res, do):
-  q, k, v, seg, ev, o, lse = res
-  dq, dk, dv = _backward(q, k, v, seg, ev, o, lse, do, st)
-  return dq, dk, dv, None, None   # integer side inputs get no cotangent
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+# Padded q [B, T, N*Hp], k/v [B, T, K*Hp], seg [B, T], ev [B, K, T] | None.
+_flash = flash_with_vjp(_forward, _backward)

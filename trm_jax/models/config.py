@@ -25,15 +25,17 @@ import jax.numpy as jnp
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Compute / parameter dtypes by name: the one name -> dtype map (the trainer's settings
+# model.dtype and rollout.dtype take the subset trm_jax.config.DTYPES of these names).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 TokenIds = Union[None, int, Tuple[int, ...]]
 
 
 def dtype_name(dtype: Any) -> str:
   """Canonical name ("float32", "bfloat16", ...) of a jnp/np dtype or dtype name."""
   name = jnp.dtype(dtype).name
-  if name not in _DTYPES:
-    raise ValueError(f"dtype {name!r} not supported; expected one of {sorted(_DTYPES)}")
+  if name not in DTYPES:
+    raise ValueError(f"dtype {name!r} not supported; expected one of {sorted(DTYPES)}")
   return name
 
 
@@ -113,11 +115,11 @@ class ModelConfig:
 
   @property
   def compute_dtype(self):
-    return _DTYPES[self.dtype]
+    return DTYPES[self.dtype]
 
   @property
   def weight_dtype(self):
-    return _DTYPES[self.param_dtype]
+    return DTYPES[self.param_dtype]
 
   def is_moe_layer(self, l: int) -> bool:
     """Same rule as transformers' Qwen3MoeDecoderLayer."""

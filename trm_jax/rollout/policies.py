@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from trm_jax.kernels.attention_ref import guarded_softmax
 from trm_jax.models.kv_cache import KVCache
+from trm_jax.rollout.sampling import fmix32
 from trm_jax.rollout.types import RATIO_GRID, CacheConfig
 
 POOLINGS = ("max", "avg")
@@ -102,15 +103,6 @@ def get_policy(name: str) -> EvictionPolicy:
 
 
 # ------------------------------------------------------------------------------ shared parts
-def _fmix32(x: jax.Array) -> jax.Array:
-  """MurmurHash3's 32-bit finaliser: a cheap bijective mixer on uint32."""
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x85EBCA6B)
-  x = x ^ (x >> 13)
-  x = x * jnp.uint32(0xC2B2AE35)
-  return x ^ (x >> 16)
-
-
 def random_priority(key: jax.Array, layer: int, step, pos: jax.Array) -> jax.Array:
   """Uniform [0, 1) draws [B, K, S] for the keys at array indices pos [B, K, S].
 
@@ -123,10 +115,10 @@ def random_priority(key: jax.Array, layer: int, step, pos: jax.Array) -> jax.Arr
   seed = jax.random.bits(key, (), jnp.uint32)
   row = (jnp.arange(B, dtype=jnp.uint32)[:, None] * jnp.uint32(K)
          + jnp.arange(K, dtype=jnp.uint32)[None, :])[:, :, None]                  # [B, K, 1]
-  h = _fmix32(seed ^ (jnp.uint32(layer) * jnp.uint32(0x9E3779B9)))
-  h = _fmix32(h ^ jnp.asarray(step).astype(jnp.uint32))
-  h = _fmix32(h ^ row)
-  h = _fmix32(h ^ pos.astype(jnp.uint32))
+  h = fmix32(seed ^ (jnp.uint32(layer) * jnp.uint32(0x9E3779B9)))
+  h = fmix32(h ^ jnp.asarray(step).astype(jnp.uint32))
+  h = fmix32(h ^ row)
+  h = fmix32(h ^ pos.astype(jnp.uint32))
   return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
 
 

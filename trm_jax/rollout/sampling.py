@@ -141,7 +141,7 @@ def inverse_cdf(p: jax.Array, u: jax.Array, *, block: int = 128) -> jax.Array:
   return (b * block + j).astype(jnp.int32)
 
 
-def _fmix32(x: jax.Array) -> jax.Array:
+def fmix32(x: jax.Array) -> jax.Array:
   """MurmurHash3's 32-bit finaliser: a bijective mixer on uint32 with full avalanche."""
   x = x ^ (x >> 16)
   x = x * jnp.uint32(0x85EBCA6B)
@@ -161,7 +161,7 @@ def gaussian_noise(key: jax.Array, shape) -> jax.Array:
     s = jax.random.bits(key, (2,), jnp.uint32)
     n = int(np.prod(shape)) if len(shape) else 1
     i = jax.lax.iota(jnp.uint32, n).reshape(shape)
-    return normal_from_bits(_fmix32(_fmix32(i ^ s[0]) + s[1]))
+    return normal_from_bits(fmix32(fmix32(i ^ s[0]) + s[1]))
 
 
 def normal_from_bits(h: jax.Array) -> jax.Array:
