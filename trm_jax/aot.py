@@ -97,24 +97,6 @@ KNOWN_MODELS = {
                           max_position_embeddings=40960),
 }
 
-# What changes each program's per-chip memory, named in the report of a program that does
-# not fit (the trainer's out-of-memory message names the learner's: step.OOM_KNOBS).
-KNOBS = {
-    "rollout": ("rl.batch_size (rows sampled at once; the KV cache is [B, K, C, H] per layer)",
-                "task.max_new_tokens / task.max_prompt_len (cache slots C)",
-                "rollout.cache.policy / ratio (a compressed cache has fewer slots)",
-                "mesh.fsdp / mesh.data (more chips share the rows) or mesh.tensor (kv heads)"),
-    "score": ("rl.chunk (positions per [B, chunk, V] vocabulary projection)",
-              "rl.batch_size (the scoring pass runs the whole rollout batch)",
-              "mesh.fsdp / mesh.data / mesh.tensor (more chips share rows, heads, vocabulary)"),
-    "update": ("rl.num_microbatches (raise it: fewer rows per microbatch)",
-               "model.remat=True (recompute block activations in the backward pass)",
-               "rl.chunk (lower it: fewer positions per vocabulary projection)",
-               "rl.num_minibatches (smaller minibatches)",
-               "mesh.fsdp (shard parameters and AdamW state over more chips) / mesh.tensor"),
-}
-
-
 # ------------------------------------------------------------------------------------------
 # Inputs: model architecture, lengths, mesh
 # ------------------------------------------------------------------------------------------
@@ -477,7 +459,8 @@ def main(argv: Sequence[str]) -> int:
     for row in report["programs"]:
       if not row["fits"]:
         print(f"[aot] {row['program']} does not fit on {topo.value}; knobs that change its "
-              "memory:\n  " + "\n  ".join(KNOBS[row["program"]]), file=sys.stderr)
+              "memory:\n  " + "\n  ".join(programs_lib.memory_knobs(row["program"])),
+              file=sys.stderr)
     return 1
   if report["step_roofline_s"] is not None:
     print(f"[aot] every program fits; roofline lower bound of one RL step "

@@ -26,6 +26,7 @@ kernels' shard_map (`kernels.partition`) read it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional
 
@@ -37,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from trm_jax import sharding as shd
 from trm_jax.config import ConfigError
+from trm_jax.models.config import DTYPES
 from trm_jax.rl import objectives, optim
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
 from trm_jax.rollout import CacheConfig, sampler_graphdef, sampling_config
@@ -44,7 +46,42 @@ from trm_jax.rollout.policies import get_policy
 from trm_jax.rollout.types import DENSE
 from trm_jax.rollout.sampler import make_generate, routing_dtype
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# ------------------------------------------------------------------------------------------
+# What lowers memory: the settings each program's per-device memory grows with (named by
+# trm_jax.aot for a program that does not fit), and the list the trainer's out-of-memory
+# error names whatever stage ran out (step.oom_hints), the learner's first.
+# ------------------------------------------------------------------------------------------
+MEMORY_KNOBS = {
+    "rollout": ("rl.batch_size (rows sampled at once; the KV cache is [B, K, C, H] per layer)",
+                "task.max_new_tokens / task.max_prompt_len (cache slots C)",
+                "rollout.cache.policy / ratio (a compressed cache has fewer slots)",
+                "mesh.fsdp / mesh.data (more chips share the rows) or mesh.tensor (kv heads)"),
+    "score": ("rl.chunk (positions per [B, chunk, V] vocabulary projection)",
+              "rl.batch_size (the scoring pass runs the whole rollout batch)",
+              "mesh.fsdp / mesh.data / mesh.tensor (more chips share rows, heads, vocabulary)"),
+    "update": ("rl.num_microbatches (raise it: fewer rows per microbatch)",
+               "model.remat=True (recompute block activations in the backward pass)",
+               "rl.chunk (lower it: fewer positions per vocabulary projection)",
+               "rl.num_minibatches (smaller minibatches)",
+               "mesh.fsdp (shard parameters and AdamW state over more chips) / mesh.tensor"),
+}
+
+
+
+def memory_knobs(program: str) -> tuple:
+  """MEMORY_KNOBS of a program; the evaluations are sampler programs over held-out rows."""
+  if program.startswith("eval_"):
+    return ("eval_problems / eval_samples (rows sampled at once)",
+            *MEMORY_KNOBS["rollout"][1:])
+  return MEMORY_KNOBS[program]
+
+
+OOM_KNOBS = ("rl.num_microbatches (raise it: smaller microbatches, same update)",
+             "rl.chunk (lower it: fewer positions per vocabulary projection)",
+             "model.remat=True (recompute block activations in the backward pass)",
+             "task.max_new_tokens (shorter rollouts)",
+             "rl.batch_size, or a larger mesh.fsdp to shard parameters and optimizer state")
 
 
 # ------------------------------------------------------------------------------------------
@@ -184,6 +221,50 @@ def _variable_shardings(state, mesh):
                       is_leaf=is_var)
 
 
+def rollout_sampling(c: ml_collections.ConfigDict, mcfg, R: int):
+  """The training rollouts' SamplingConfig (pi_roll: temperature, truncation, mismatch
+  noise, what the rollout records for the learner)."""
+  r = c.rollout
+  return sampling_config(
+      mcfg, max_new_tokens=R, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+      keep_full_logprobs=r.keep_full_logprobs, keep_topk_logprobs=r.keep_topk_logprobs,
+      logit_noise=r.logit_noise, router_noise_scale=r.router_noise,
+      record_routing=r.routing_replay)
+
+
+def _abstract_prompts(n: int, on: jax.sharding.Mesh, *, P: int) -> tuple:
+  """(prompt ids [n, P], lengths [n], key) as step.sample / step.evaluate pass them."""
+  rep = NamedSharding(on, PartitionSpec())
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  return (jax.ShapeDtypeStruct((n, P), jnp.int32, sharding=shd.batch_sharding(on, (n, P))),
+          jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep),
+          jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep))
+
+
+def abstract_batch(c: ml_collections.ConfigDict, mcfg, lcfg: LearnerConfig,
+                   mesh: jax.sharding.Mesh, n: int, *, T: int, with_ref: bool) -> LearnerBatch:
+  """The learner batch of n rows step.rl_step builds from a rollout (step.score_rollout), as
+  sharded ShapeDtypeStructs: the optional fields present exactly when the config fills them."""
+  r = c.rollout
+
+  def row(shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=shd.batch_sharding(mesh, shape))
+  k = r.keep_topk_logprobs
+  n_moe = sum(mcfg.is_moe_layer(l) for l in range(mcfg.num_layers))
+  return LearnerBatch(
+      tokens=row((n, T), jnp.int32), segment_ids=row((n, T), jnp.int32),
+      response_mask=row((n, T)), logp_roll=row((n, T)), advantages=row((n,)),
+      logp_old=row((n, T)), token_weights=row((n, T)),
+      evicted_at=(row((n, mcfg.num_layers, mcfg.num_kv_heads, T), jnp.int32)
+                  if lcfg.learner_mode.replays_eviction else None),
+      roll_logp_full=row((n, T, mcfg.vocab_size)) if r.keep_full_logprobs else None,
+      roll_topk_logp=row((n, T, k)) if k else None,
+      roll_topk_ids=row((n, T, k), jnp.int32) if k else None,
+      logp_ref=row((n, T)) if with_ref else None,
+      routed_experts=(row((n, n_moe, T, mcfg.num_experts_per_tok),
+                          routing_dtype(mcfg.num_experts)) if r.routing_replay else None))
+
+
 def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Mesh,
           sampler_mesh: Optional[jax.sharding.Mesh], sizes: Sizes) -> Programs:
   """The run's programs for `model` (real, or `abstract_model`) placed on `mesh`; the sampler
@@ -207,11 +288,7 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
                                state_shardings=(param_sh, opt_sh))
 
   # --- sampler (pi_roll) ------------------------------------------------------------------
-  roll = sampling_config(
-      mcfg, max_new_tokens=R, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-      keep_full_logprobs=r.keep_full_logprobs, keep_topk_logprobs=r.keep_topk_logprobs,
-      logit_noise=r.logit_noise, router_noise_scale=r.router_noise,
-      record_routing=r.routing_replay)
+  roll = rollout_sampling(c, mcfg, R)
   to = DTYPES[r.dtype]
   roll_graphdef = sampler_graphdef(model, to)
   cache = cache_config(c)
@@ -233,35 +310,8 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
   else:
     roll_params = narrow_a(params_a, param_sh) if c.rl.staleness else params_a
     roll_rest = rest_a
-  replicated = NamedSharding(roll_mesh, PartitionSpec())
-  key_a = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
-                               sharding=replicated)
-
-  def prompts(n: int, on) -> tuple:
-    """(prompt ids [n, P], lengths [n], key) as step.sample / step.evaluate pass them."""
-    rep = NamedSharding(on, PartitionSpec())
-    return (jax.ShapeDtypeStruct((n, P), jnp.int32, sharding=shd.batch_sharding(on, (n, P))),
-            jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep),
-            jax.ShapeDtypeStruct(key_a.shape, key_a.dtype, sharding=rep))
-
-  # --- the learner batch step.rl_step builds from a rollout ---------------------------------
-  def batch(n: int, *, with_ref: bool) -> LearnerBatch:
-    def row(shape, dtype=jnp.float32):
-      return jax.ShapeDtypeStruct(shape, dtype, sharding=shd.batch_sharding(mesh, shape))
-    k = r.keep_topk_logprobs
-    n_moe = sum(mcfg.is_moe_layer(l) for l in range(mcfg.num_layers))
-    return LearnerBatch(
-        tokens=row((n, T), jnp.int32), segment_ids=row((n, T), jnp.int32),
-        response_mask=row((n, T)), logp_roll=row((n, T)), advantages=row((n,)),
-        logp_old=row((n, T)), token_weights=row((n, T)),
-        evicted_at=(row((n, mcfg.num_layers, mcfg.num_kv_heads, T), jnp.int32)
-                    if lcfg.learner_mode.replays_eviction else None),
-        roll_logp_full=row((n, T, mcfg.vocab_size)) if r.keep_full_logprobs else None,
-        roll_topk_logp=row((n, T, k)) if k else None,
-        roll_topk_ids=row((n, T, k), jnp.int32) if k else None,
-        logp_ref=row((n, T)) if with_ref else None,
-        routed_experts=(row((n, n_moe, T, mcfg.num_experts_per_tok),
-                            routing_dtype(mcfg.num_experts)) if r.routing_replay else None))
+  prompts = functools.partial(_abstract_prompts, P=P)
+  batch = functools.partial(abstract_batch, c, mcfg, lcfg, mesh, T=T)
 
   # Parameter copies the learner's devices hold besides params and opt_state: the frozen
   # reference policy (rl.kl_beta > 0) and the rl.staleness older versions (step.TrainState).

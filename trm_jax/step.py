@@ -48,7 +48,7 @@ from trm_jax import programs as programs_lib
 from trm_jax import sharding as shd
 from trm_jax.data import math_reward
 from trm_jax.data import summarize as eval_summary
-from trm_jax.programs import DTYPES, Programs, narrowed
+from trm_jax.programs import DTYPES, OOM_KNOBS, Programs, narrowed
 from trm_jax.rl import advantages as adv_lib
 from trm_jax.rl.learner import LearnerBatch
 from trm_jax.rollout.sampler import check_prompts
@@ -208,26 +208,7 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   t_roll = time.time() - t0
 
   # --- (4) score: pi_theta (the current parameters) on the rollout, TRM mask and monitors -----
-  B, T = ro.tokens.shape
-  # Onto the learner's devices first (the sampler's may be others), then computed on.
-  batch = shd.put_batch(LearnerBatch(
-      tokens=ro.tokens, segment_ids=ro.segment_ids, response_mask=ro.response_mask,
-      logp_roll=ro.logp, advantages=np.zeros(B, np.float32), logp_old=ro.logp,
-      token_weights=np.ones((B, T), np.float32),
-      evicted_at=ro.evicted_at if ctx.lcfg.learner_mode.replays_eviction else None,
-      roll_logp_full=ro.full_logp, roll_topk_logp=ro.topk_logp, roll_topk_ids=ro.topk_ids,
-      routed_experts=ro.routed_experts), ctx.mesh)
-  resp = batch.response_mask.astype(jnp.float32)
-  batch = batch.replace(response_mask=resp)
-  with oom_hints("learner score pass"):
-    logp_old, weights, seq_mask, metrics = ctx.score(state.params, ctx.rest, batch)
-  batch = batch.replace(logp_old=logp_old, token_weights=weights)
-  if ctx.ref_params is not None:
-    batch = batch.replace(logp_ref=ctx.score(ctx.ref_params, ctx.rest, batch)[0])
-  if ctx.lcfg.learner_mode.ratio_to_learner:
-    # Sparse-RL's weights already carry the dense/sparse correction: the surrogate's ratio
-    # is then taken against the dense learner's own log-probs, not the sparse sampler's.
-    batch = batch.replace(logp_roll=logp_old)
+  batch, seq_mask, metrics = score_rollout(ctx, state.params, ro)
 
   # --- (5) advantages: GRPO, per group of rl.group_size rollouts of one prompt ---------------
   adv = adv_lib.group_advantages(jnp.asarray(rewards), group_size=c.rl.group_size,
@@ -238,6 +219,57 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   batch = batch.replace(advantages=shd.put_batch(adv, ctx.mesh))
 
   # --- (6) updates: rl.num_epochs passes of rl.num_minibatches minibatches -------------------
+  params, opt_state, upd = run_updates(ctx, state, batch, k_perm, step)
+  next_state = _dispatch_next(ctx, TrainState(
+      params=params, opt_state=opt_state, step=step, data_pos=state.data_pos + n_prompts,
+      history=history))
+
+  # --- metrics --------------------------------------------------------------------------------
+  metrics = {k: float(v) for k, v in metrics.items()}
+  for k in upd[0]:
+    metrics[k] = float(np.mean([float(a[k]) for a in upd]))
+  n_tok = float(jnp.sum(batch.response_mask))
+  dt = time.time() - t0
+  metrics.update({"reward": float(rewards.mean()), "accuracy": float((rewards > 0.5).mean()),
+                  "response_len": n_tok / rewards.shape[0], **rollout_metrics,
+                  "time/rollout_s": t_roll, "time/step_s": dt,
+                  "throughput/tokens_per_s": n_tok / max(dt, 1e-9)})
+  return next_state, metrics
+
+
+def score_rollout(ctx: RLContext, params, ro) -> tuple[LearnerBatch, jax.Array, dict]:
+  """(4): the rollout as the learner's batch on its devices, scored by pi_theta = `params`:
+  (batch with logp_old, token weights and the reference's log-probs filled in, TRM's
+  sequence mask [B], the score pass's metrics)."""
+  B, T = ro.tokens.shape
+  mode = ctx.lcfg.learner_mode
+  # Onto the learner's devices first (the sampler's may be others), then computed on.
+  batch = shd.put_batch(LearnerBatch(
+      tokens=ro.tokens, segment_ids=ro.segment_ids, response_mask=ro.response_mask,
+      logp_roll=ro.logp, advantages=np.zeros(B, np.float32), logp_old=ro.logp,
+      token_weights=np.ones((B, T), np.float32),
+      evicted_at=ro.evicted_at if mode.replays_eviction else None,
+      roll_logp_full=ro.full_logp, roll_topk_logp=ro.topk_logp, roll_topk_ids=ro.topk_ids,
+      routed_experts=ro.routed_experts), ctx.mesh)
+  batch = batch.replace(response_mask=batch.response_mask.astype(jnp.float32))
+  with oom_hints("learner score pass"):
+    logp_old, weights, seq_mask, metrics = ctx.score(params, ctx.rest, batch)
+  batch = batch.replace(logp_old=logp_old, token_weights=weights)
+  if ctx.ref_params is not None:
+    batch = batch.replace(logp_ref=ctx.score(ctx.ref_params, ctx.rest, batch)[0])
+  if mode.ratio_to_learner:
+    # Sparse-RL's weights already carry the dense/sparse correction: the surrogate's ratio
+    # is then taken against the dense learner's own log-probs, not the sparse sampler's.
+    batch = batch.replace(logp_roll=logp_old)
+  return batch, seq_mask, metrics
+
+
+def run_updates(ctx: RLContext, state: TrainState, batch: LearnerBatch, k_perm: jax.Array,
+                step: int) -> tuple[Any, Any, list]:
+  """(6): rl.num_epochs passes of rl.num_minibatches minibatch updates of `state`'s
+  parameters, each epoch in the order of its own permutation; (params, opt_state, the
+  updates' metrics)."""
+  c = ctx.c
   params, opt_state = state.params, state.opt_state
   mb_size = c.rl.batch_size // c.rl.num_minibatches
   upd = []
@@ -251,21 +283,7 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
       if not upd:
         preemption.debug_point("update", step)   # test hook: a signal while updates run
       upd.append(aux)
-  next_state = _dispatch_next(ctx, TrainState(
-      params=params, opt_state=opt_state, step=step, data_pos=state.data_pos + n_prompts,
-      history=history))
-
-  # --- metrics --------------------------------------------------------------------------------
-  metrics = {k: float(v) for k, v in metrics.items()}
-  for k in upd[0]:
-    metrics[k] = float(np.mean([float(a[k]) for a in upd]))
-  n_tok = float(jnp.sum(resp))
-  dt = time.time() - t0
-  metrics.update({"reward": float(rewards.mean()), "accuracy": float((rewards > 0.5).mean()),
-                  "response_len": n_tok / rewards.shape[0], **rollout_metrics,
-                  "time/rollout_s": t_roll, "time/step_s": dt,
-                  "throughput/tokens_per_s": n_tok / max(dt, 1e-9)})
-  return next_state, metrics
+  return params, opt_state, upd
 
 
 def dispatch_rollout(ctx: RLContext, state: TrainState) -> InFlight:
@@ -394,13 +412,6 @@ def rewards_of(tok, rollout, problems, problem_ids, P: int) -> np.ndarray:
     text = tok.decode(tokens[b][mask[b]].tolist())
     out[b] = math_reward(text, problems[problem_ids[b]].answer)
   return out
-
-
-OOM_KNOBS = ("rl.num_microbatches (raise it: smaller microbatches, same update)",
-             "rl.chunk (lower it: fewer positions per vocabulary projection)",
-             "model.remat=True (recompute block activations in the backward pass)",
-             "task.max_new_tokens (shorter rollouts)",
-             "rl.batch_size, or a larger mesh.fsdp to shard parameters and optimizer state")
 
 
 class OutOfMemoryError(MemoryError):

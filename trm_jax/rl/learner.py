@@ -144,6 +144,94 @@ def _trm_mask(cfg: LearnerConfig, terms: dict, batch: LearnerBatch):
   return res.seq_mask, res.token_mask, res.metrics
 
 
+def _distills(cfg: LearnerConfig) -> bool:
+  return cfg.learner_mode.distills and cfg.lam > 0
+
+
+def _score(model, batch: LearnerBatch, cfg: LearnerConfig, P: int):
+  """The scoring pass, (1)-(4) of the module docstring: (logp [B, T], token weights [B, T],
+  sequence mask [B], metrics)."""
+  terms, routing = _forward(model, batch, cfg, with_teacher=False, with_routing=True)
+  logp = jax.lax.stop_gradient(terms["logp"])
+  seq_mask, _, metrics = _trm_mask(cfg, terms, batch)
+  mask_r = batch.response_mask[:, P:]
+  log_rho_r = (logp - batch.logp_roll)[:, P:] * mask_r
+  est = trm.batch_estimates(mask_r, kl=None if "kl" not in terms else terms["kl"][:, P:],
+                            tv=None if "tv" not in terms else terms["tv"][:, P:],
+                            log_rho=log_rho_r)
+  metrics.update(trm.trm_monitors(seq_keep=seq_mask, mask=mask_r, T=mask_r.shape[1],
+                                  logp_theta=logp[:, P:], logp_roll=batch.logp_roll[:, P:],
+                                  est=est, length_edges=cfg.length_edges))
+  n_tok = jnp.maximum(jnp.sum(batch.response_mask), 1.0)
+  metrics["learner/entropy"] = jnp.sum(terms["entropy"]) / n_tok
+  metrics["learner/k3_mean"] = jnp.sum(trm.k3(log_rho_r) * mask_r) / n_tok
+  if batch.routed_experts is not None:
+    metrics["moe/replay_flip_rate"] = replay_flip_rate(routing, batch.routed_experts,
+                                                       batch.segment_ids)
+  weights = jnp.ones_like(batch.response_mask)
+  mode = cfg.learner_mode
+  if mode.token_weights is not None:
+    weights, mode_metrics = mode.token_weights(logp, batch.logp_roll, batch.response_mask)
+    metrics.update(mode_metrics)
+  return logp, weights, seq_mask, metrics
+
+
+def _loss(model, mb: LearnerBatch, normalizer: jax.Array, cfg: LearnerConfig):
+  """One microbatch's loss, (1)-(3) of the update: the objective on the learner track under
+  the recomputed TRM mask, plus the mode's distillation. normalizer = [the objective's N,
+  the minibatch's response-token count], both over the whole minibatch."""
+  if cfg.kl_beta > 0 and mb.logp_ref is None:
+    raise ValueError("LearnerConfig.kl_beta > 0 needs LearnerBatch.logp_ref (score the batch "
+                     "with the reference parameters: score(ref_params, rest, batch)[0])")
+  distill = _distills(cfg)
+  terms = _forward(model, mb, cfg, with_teacher=distill)
+  seq_mask, token_mask, _ = _trm_mask(cfg, jax.tree.map(jax.lax.stop_gradient, terms), mb)
+  # token-level criteria (the token_mask baseline) act through token_weights.
+  weights = mb.token_weights * jnp.where(mb.response_mask > 0, token_mask, 0.0)
+  loss, metrics = objectives.compute_loss(
+      cfg.objective, logp_theta=terms["logp"], logp_roll=mb.logp_roll,
+      advantages=mb.advantages, response_mask=mb.response_mask, seq_mask=seq_mask,
+      logp_old=mb.logp_old if cfg.objective_entry.uses_logp_old else None,
+      token_weights=weights, loss_agg=cfg.loss_agg, normalizer=normalizer[0],
+      max_len=cfg.max_len,
+      **({"logp_ref": mb.logp_ref, "kl_beta": cfg.kl_beta} if cfg.kl_beta > 0 else {}),
+      **dict(cfg.objective_kwargs))
+  metrics = dict(metrics)
+  has_response = (jnp.sum(mb.response_mask, axis=1) > 0).astype(jnp.float32)
+  metrics["learner/kept_seqs"] = jnp.sum(seq_mask * has_response)
+  if distill:
+    # lambda * KL(sg[teacher] || masked), token-mean over the whole minibatch: the global
+    # token count is normalizer[1], so accumulation over microbatches stays exact.
+    kl = jnp.sum(terms["distill_kl"]) / normalizer[1]
+    loss = loss + cfg.lam * kl
+    metrics["smd/distill_kl"] = kl * cfg.num_microbatches
+  return loss, metrics
+
+
+def _apply(tx: optax.GradientTransformation, cfg: LearnerConfig, params, opt_state, grads,
+           loss, aux: dict):
+  """(4) of the update: the optax step, kept only when finite and when the minibatch has a
+  signal; returns (params, opt_state, metrics)."""
+  grad_norm = optax.tree.norm(grads)
+  new_params, new_opt, ok = optim.apply_if_finite(tx, params, opt_state, grads, loss)
+  aux = dict(aux)
+  # An all-masked minibatch carries no signal: skip the step entirely (AdamW's weight decay
+  # and the schedule would otherwise still move), unless distillation still has a target.
+  has_signal = (aux["learner/kept_seqs"] > 0) | _distills(cfg)
+  keep = lambda new, old: jnp.where(has_signal, new, old)
+  params = jax.tree.map(keep, new_params, params)
+  opt_state = jax.tree.map(keep, new_opt, opt_state)
+  aux["learner/kept_seqs"] = aux["learner/kept_seqs"] * cfg.num_microbatches
+  # learner/skipped: no update reached the parameters, for either reason (each also
+  # counted on its own); the trainer stops a run whose updates are skipped step after step.
+  applied = ok & has_signal
+  aux.update({"learner/loss": loss, "learner/grad_norm": grad_norm,
+              "learner/skipped": 1.0 - applied.astype(jnp.float32),
+              "learner/skipped_nonfinite": 1.0 - ok.astype(jnp.float32),
+              "learner/skipped_all_masked": 1.0 - has_signal.astype(jnp.float32)})
+  return params, opt_state, aux
+
+
 def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                  cfg: LearnerConfig, *, response_start: int,
                  state_shardings: Optional[tuple] = None):
@@ -157,65 +245,14 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   not recompile for a layout XLA happened to choose); None leaves the layout to propagation.
   """
   P = response_start
-  mode, objective = cfg.learner_mode, cfg.objective_entry
-  distill = mode.distills and cfg.lam > 0
 
   @jax.jit
   def score(params, rest, batch: LearnerBatch):
-    model = nnx.merge(graphdef, params, rest)
-    terms, routing = _forward(model, batch, cfg, with_teacher=False, with_routing=True)
-    logp = jax.lax.stop_gradient(terms["logp"])
-    seq_mask, _, metrics = _trm_mask(cfg, terms, batch)
-    mask_r = batch.response_mask[:, P:]
-    log_rho_r = (logp - batch.logp_roll)[:, P:] * mask_r
-    est = trm.batch_estimates(mask_r, kl=None if "kl" not in terms else terms["kl"][:, P:],
-                              tv=None if "tv" not in terms else terms["tv"][:, P:],
-                              log_rho=log_rho_r)
-    metrics.update(trm.trm_monitors(seq_keep=seq_mask, mask=mask_r, T=mask_r.shape[1],
-                                    logp_theta=logp[:, P:], logp_roll=batch.logp_roll[:, P:],
-                                    est=est, length_edges=cfg.length_edges))
-    n_tok = jnp.maximum(jnp.sum(batch.response_mask), 1.0)
-    metrics["learner/entropy"] = jnp.sum(terms["entropy"]) / n_tok
-    metrics["learner/k3_mean"] = jnp.sum(trm.k3(log_rho_r) * mask_r) / n_tok
-    if batch.routed_experts is not None:
-      metrics["moe/replay_flip_rate"] = replay_flip_rate(routing, batch.routed_experts,
-                                                         batch.segment_ids)
-    weights = jnp.ones_like(batch.response_mask)
-    if mode.token_weights is not None:
-      weights, mode_metrics = mode.token_weights(logp, batch.logp_roll, batch.response_mask)
-      metrics.update(mode_metrics)
-    return logp, weights, seq_mask, metrics
+    return _score(nnx.merge(graphdef, params, rest), batch, cfg, P)
 
-  def loss_fn(params, rest, mb: LearnerBatch, normalizer):
-    if cfg.kl_beta > 0 and mb.logp_ref is None:
-      raise ValueError("LearnerConfig.kl_beta > 0 needs LearnerBatch.logp_ref (score the batch "
-                       "with the reference parameters: score(ref_params, rest, batch)[0])")
-    model = nnx.merge(graphdef, params, rest)
-    terms = _forward(model, mb, cfg, with_teacher=distill)
-    seq_mask, token_mask, _ = _trm_mask(cfg, jax.tree.map(jax.lax.stop_gradient, terms), mb)
-    # token-level criteria (the token_mask baseline) act through token_weights.
-    weights = mb.token_weights * jnp.where(mb.response_mask > 0, token_mask, 0.0)
-    loss, metrics = objectives.compute_loss(
-        cfg.objective, logp_theta=terms["logp"], logp_roll=mb.logp_roll,
-        advantages=mb.advantages, response_mask=mb.response_mask, seq_mask=seq_mask,
-        logp_old=mb.logp_old if objective.uses_logp_old else None,
-        token_weights=weights, loss_agg=cfg.loss_agg, normalizer=normalizer[0],
-        max_len=cfg.max_len,
-        **({"logp_ref": mb.logp_ref, "kl_beta": cfg.kl_beta} if cfg.kl_beta > 0 else {}),
-        **dict(cfg.objective_kwargs))
-    metrics = dict(metrics)
-    has_response = (jnp.sum(mb.response_mask, axis=1) > 0).astype(jnp.float32)
-    metrics["learner/kept_seqs"] = jnp.sum(seq_mask * has_response)
-    if distill:
-      # lambda * KL(sg[teacher] || masked), token-mean over the whole minibatch: the global
-      # token count is normalizer[1], so accumulation over microbatches stays exact.
-      kl = jnp.sum(terms["distill_kl"]) / normalizer[1]
-      loss = loss + cfg.lam * kl
-      metrics["smd/distill_kl"] = kl * cfg.num_microbatches
-    return loss, metrics
-
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
+  grad_fn = jax.value_and_grad(
+      lambda params, rest, mb, norm: _loss(nnx.merge(graphdef, params, rest), mb, norm, cfg),
+      has_aux=True)
   out_shardings = None if state_shardings is None else (*state_shardings, None)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=out_shardings)
@@ -226,23 +263,6 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     loss, grads, aux = optim.accumulate_gradients(
         lambda p, b, n: grad_fn(p, rest, b, n), params, mb,
         num_microbatches=cfg.num_microbatches, normalizer=norm)
-    grad_norm = optax.tree.norm(grads)
-    new_params, new_opt, ok = optim.apply_if_finite(tx, params, opt_state, grads, loss)
-    aux = dict(aux)
-    # An all-masked minibatch carries no signal: skip the step entirely (AdamW's weight decay
-    # and the schedule would otherwise still move), unless distillation still has a target.
-    has_signal = (aux["learner/kept_seqs"] > 0) | distill
-    keep = lambda new, old: jnp.where(has_signal, new, old)
-    params = jax.tree.map(keep, new_params, params)
-    opt_state = jax.tree.map(keep, new_opt, opt_state)
-    aux["learner/kept_seqs"] = aux["learner/kept_seqs"] * cfg.num_microbatches
-    # learner/skipped: no update reached the parameters, for either reason (each also
-    # counted on its own); the trainer stops a run whose updates are skipped step after step.
-    applied = ok & has_signal
-    aux.update({"learner/loss": loss, "learner/grad_norm": grad_norm,
-                "learner/skipped": 1.0 - applied.astype(jnp.float32),
-                "learner/skipped_nonfinite": 1.0 - ok.astype(jnp.float32),
-                "learner/skipped_all_masked": 1.0 - has_signal.astype(jnp.float32)})
-    return params, opt_state, aux
+    return _apply(tx, cfg, params, opt_state, grads, loss, aux)
 
   return score, update
