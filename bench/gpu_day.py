@@ -189,11 +189,12 @@ def synthetic_check(cfg, interpret: bool) -> dict:
 def policy_records(tiny: bool) -> dict:
   """{policy: LayerVisibility} of real rollouts of a one-layer model (ratio 0.5, 2 rows of
   prompt lengths P and ~0.6 P, left-padded, P new tokens), as tests/test_kernels_tpu.py."""
+  from flax import nnx
   from trm_jax.kernels.visibility import Visibility
-  from trm_jax.models import make_test_model
+  from trm_jax.models import Decoder, ModelConfig
   from trm_jax.rollout import CacheConfig, generate
   P = 32 if tiny else 128
-  model = make_test_model(seed=0, num_layers=1)
+  model = Decoder(ModelConfig(num_layers=1), rngs=nnx.Rngs(0))
   lens = np.array([P, int(P * 0.6)], np.int32)
   rng = np.random.default_rng(0)
   prompts = np.zeros((2, P), np.int32)
@@ -325,13 +326,13 @@ def learner_mfu(args) -> dict:
   from flax import nnx
   from bench.learner import _concrete_batch
   from trm_jax import hlo_cost
-  from trm_jax.models import make_test_model
+  from trm_jax.models import Decoder, ModelConfig
   from trm_jax.rl.learner import LearnerConfig, make_learner
   arch = TINY_MODEL if args.tiny else MFU_MODEL
   B, T = (2, 64) if args.tiny else (16, 1024)
   P = T // 4
   impl = "pallas_interpret" if args.interpret else "pallas"
-  model = make_test_model(dtype="bfloat16", param_dtype="float32", **arch)
+  model = Decoder(ModelConfig(dtype="bfloat16", param_dtype="float32", **arch), rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   cfg = model.config
@@ -370,12 +371,14 @@ def learner_mfu(args) -> dict:
 
 
 def sampler_rate(args) -> dict:
-  from trm_jax.models import make_test_model
+  from flax import nnx
+  from trm_jax.models import Decoder, ModelConfig
   from trm_jax.rollout import generate
   arch = TINY_MODEL if args.tiny else MFU_MODEL
   B, P, N = (4, 16, 16) if args.tiny else (256, 128, 512)
   impl = "pallas_interpret" if args.interpret else "auto"
-  model = make_test_model(dtype="bfloat16", param_dtype="bfloat16", **arch)
+  model = Decoder(ModelConfig(dtype="bfloat16", param_dtype="bfloat16", **arch),
+                  rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   lens = rng.integers(P // 2, P + 1, B).astype(np.int32)
   ids = np.zeros((B, P), np.int32)

@@ -55,7 +55,7 @@ from flax import nnx
 from bench import hygiene
 from trm_jax import hlo_cost
 from trm_jax.kernels.visibility import NEVER_EVICTED
-from trm_jax.models import make_test_model
+from trm_jax.models import Decoder, ModelConfig
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
 
 # Model: narrow (the claim is about T), GQA 2:1, two layers; V moderate so the chunked
@@ -96,7 +96,7 @@ def _full_vocab_buffers(hlo: str, T: int, V: int) -> list[str]:
 
 
 def measure_memory(T: int, *, B: int, chunk: int) -> dict:
-  abstract = nnx.eval_shape(lambda: make_test_model(**MEM_MODEL))
+  abstract = nnx.eval_shape(lambda: Decoder(ModelConfig(**MEM_MODEL), rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   tx = optax.adamw(1e-4)
   opt_state = jax.eval_shape(tx.init, params)
@@ -147,7 +147,7 @@ def _concrete_batch(key, B: int, T: int, P: int, L: int, K: int, V: int, ratio: 
 
 
 def measure_time(*, B: int, T: int, chunk: int, repeats: int, warmup: int) -> dict:
-  model = make_test_model(**TIME_MODEL)
+  model = Decoder(ModelConfig(**TIME_MODEL), rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   cfg = model.config
   P = T // 4
@@ -213,7 +213,7 @@ def matmul_peak(repeats: int = 5) -> dict:
 def measure_flops(*, B: int = 8, T: int = 256, P: int = 128, chunk: int = 128,
                   repeats: int = 5, rounds: int = 2) -> dict:
   """FLOP/s of plain GRPO's update step at the bench shape vs the fp32 matmul peak."""
-  model = make_test_model(**FLOPS_MODEL)
+  model = Decoder(ModelConfig(**FLOPS_MODEL), rngs=nnx.Rngs(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   cfg = model.config
   batch = _concrete_batch(jax.random.key(0), B, T, P, cfg.num_layers, cfg.num_kv_heads,

@@ -39,15 +39,16 @@ B, P, R = 16, 16, 48  # global batch, prompt length, response length (T = P + R 
 def _worker(n: int, layout: str, steps: int) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
 
   from trm_jax import sharding as shd  # pylint: disable=g-import-not-at-top
   from trm_jax import step  # pylint: disable=g-import-not-at-top
-  from trm_jax.models.decoder import make_test_model  # pylint: disable=g-import-not-at-top
+  from trm_jax.models import Decoder, ModelConfig  # pylint: disable=g-import-not-at-top
   from trm_jax.rl import optim  # pylint: disable=g-import-not-at-top
   from trm_jax.rl import learner  # pylint: disable=g-import-not-at-top
 
   mesh = shd.mesh_from_config({layout: -1}, jax.devices()[:n])
-  model = shd.shard_model(make_test_model(seed=0, **MODEL), mesh)
+  model = shd.shard_model(Decoder(ModelConfig(**MODEL), rngs=nnx.Rngs(0)), mesh)
   tx = optim.make_optimizer(lr=1e-4, warmup_steps=1, total_steps=100, weight_decay=0.0, b1=0.9,
                             b2=0.99, eps=1e-8, clip_norm=1.0, min_lr_ratio=0.1)
   graphdef, params, rest, opt_state, state_sh = step.init_learner_state(model, tx, mesh)

@@ -14,7 +14,8 @@ from safetensors.numpy import load_file, save_file
 
 from hf_fixtures import hf_logits, make_hf_checkpoint, sample_batch
 from trm_jax.kernels import Visibility
-from trm_jax.models import from_pretrained, make_test_model, save_pretrained
+from model_fixtures import make_test_model
+from trm_jax.models import from_pretrained, save_pretrained
 from trm_jax import sharding as shd
 from trm_jax.models.hf_io import (INDEX_FILE, SINGLE_FILE, CheckpointFileError,
                                   CheckpointMismatchError)

@@ -45,7 +45,7 @@ from trm_jax.kernels.tpu_aot import compile_for_tpu, libtpu_available
 from trm_jax.kernels.tpu_blocks import block_summaries, block_tables, plan_blocks
 from trm_jax.kernels.visibility import (NEVER_EVICTED, LayerVisibility, Visibility,
                                         visible_mask)
-from trm_jax.models import make_test_model
+from model_fixtures import make_test_model
 from trm_jax.rollout import CacheConfig, generate
 
 B128 = TPUBlockSizes(128, 128, 128, 128)

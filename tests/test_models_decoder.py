@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from trm_jax.kernels import NEVER_EVICTED, Visibility, attention
-from trm_jax.models import Decoder, KVCache, ModelConfig, make_test_model
+from model_fixtures import make_test_model
+from trm_jax.models import Decoder, KVCache, ModelConfig
 from trm_jax.models.decoder import default_positions
 from trm_jax.models.layers import MoE
 

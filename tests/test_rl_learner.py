@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
-from trm_jax.models import make_test_model
+from model_fixtures import make_test_model
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
 from trm_jax.rollout import generate
 

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from trm_jax.kernels.visibility import Visibility
-from trm_jax.models import make_test_model
+from model_fixtures import make_test_model
 from trm_jax.rollout import CacheConfig, SamplingConfig, generate, run_phase, token_logprobs
 from trm_jax.rollout.sampler import stream_keys
 from trm_jax.rollout.sampling import gaussian_noise

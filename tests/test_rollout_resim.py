@@ -24,7 +24,7 @@ from flax import nnx
 
 from trm_jax.kernels.visibility import NEVER_EVICTED, Visibility, visible_mask
 from prompt_fixtures import left_padded_prompts
-from trm_jax.models import make_test_model
+from model_fixtures import make_test_model
 from trm_jax.models.decoder import default_positions
 from trm_jax.rollout import CacheConfig, SamplingConfig, generate, token_logprobs
 from trm_jax.rollout import policies

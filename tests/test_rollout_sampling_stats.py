@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.scipy.special import gammaincc
 
-from trm_jax.models import make_test_model
+from model_fixtures import make_test_model
 from trm_jax.rollout import SamplingConfig, generate
 from trm_jax.rollout import sampling
 

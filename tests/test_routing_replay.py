@@ -16,7 +16,7 @@ from flax import nnx
 from prompt_fixtures import left_padded_prompts
 from trm_jax import sharding as shd
 from trm_jax.kernels import Visibility
-from trm_jax.models import make_test_model
+from model_fixtures import make_test_model
 from trm_jax.rollout import CacheConfig, generate
 
 MOE = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,

@@ -9,7 +9,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from hf_fixtures import make_hf_checkpoint, sample_batch
 from trm_jax import sharding as shd
 from trm_jax.kernels import Visibility
-from trm_jax.models import from_pretrained, make_test_model
+from model_fixtures import make_test_model
+from trm_jax.models import from_pretrained
 from trm_jax.models.hf_io import _Checkpoint, _entries, _ours_from_hf
 
 MOE = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,

@@ -29,7 +29,7 @@ from flax import nnx
 
 from trm_jax.kernels.visibility import NEVER_EVICTED, Visibility
 from prompt_fixtures import left_padded_prompts
-from trm_jax.models import make_test_model
+from model_fixtures import make_test_model
 from trm_jax.models.decoder import Decoder
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
 from trm_jax.rollout import POLICIES, CacheConfig, generate

@@ -20,7 +20,7 @@ from trm_jax import config as config_lib
 from trm_jax import sharding as shd
 from trm_jax import step
 from trm_jax import train
-from trm_jax.models.decoder import make_test_model
+from model_fixtures import make_test_model
 from trm_jax.rl import optim
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
 

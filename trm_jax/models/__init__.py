@@ -7,9 +7,9 @@
   save_pretrained(model, out_dir)              # config.json + safetensors for transformers
 """
 from trm_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from trm_jax.models.decoder import Decoder, default_positions, make_test_model
+from trm_jax.models.decoder import Decoder, default_positions
 from trm_jax.models.hf_io import from_pretrained, save_pretrained
 from trm_jax.models.kv_cache import CachePolicy, KVCache
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig", "CachePolicy", "Decoder", "KVCache",
-           "default_positions", "make_test_model", "from_pretrained", "save_pretrained"]
+           "default_positions", "from_pretrained", "save_pretrained"]

@@ -263,8 +263,3 @@ def _check_routing(routing: jax.Array, token_shape, n_moe: int, cfg: ModelConfig
                      f"{want}")
   if not jnp.issubdtype(routing.dtype, jnp.integer):
     raise ValueError(f"routing must hold integer expert ids, got {routing.dtype}")
-
-
-def make_test_model(seed: int = 0, **overrides) -> Decoder:
-  """A tiny random decoder (defaults: qwen3, D=64, L=2, N=4, K=2, H=16, V=128) for tests."""
-  return Decoder(ModelConfig(**overrides), rngs=nnx.Rngs(seed))
