@@ -8,7 +8,7 @@ from flax import nnx
 
 from trm_jax.kernels import NEVER_EVICTED, Visibility, attention
 from model_fixtures import make_test_model
-from trm_jax.models import Decoder, KVCache, ModelConfig
+from trm_jax.models import FAMILIES, CausalLM, Decoder, KVCache, ModelConfig
 from trm_jax.models.decoder import default_positions
 from trm_jax.models.layers import MoE
 
@@ -260,3 +260,15 @@ def test_default_positions_count_valid_tokens():
   seg = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]], jnp.int32)
   pos = default_positions(jnp.zeros((2, 5), jnp.int32), Visibility(segment_ids=seg))
   np.testing.assert_array_equal(np.asarray(pos), [[0, 0, 0, 1, 2], [0, 1, 2, 2, 2]])
+
+
+def test_every_family_builds_a_model_of_the_protocol():
+  """The sampler and learner's interface (models.CausalLM) holds for each FAMILIES row, and
+  each row's config.json round-trips."""
+  for model_type, fam in FAMILIES.items():
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if fam.moe else {}
+    cfg = ModelConfig(model_type=model_type, num_layers=1, **moe)
+    assert isinstance(Decoder(cfg, rngs=nnx.Rngs(0)), CausalLM)
+    hf = cfg.to_hf()
+    assert hf["architectures"] == [fam.architecture]
+    assert ModelConfig.from_hf(hf) == cfg

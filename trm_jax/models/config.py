@@ -2,7 +2,8 @@
 
 Built from a Hugging Face `config.json` dict (`ModelConfig.from_hf`) and written back
 (`ModelConfig.to_hf`). One implementation covers four `model_type`s; what differs between them
-is a handful of flags resolved here, so the model code never branches on `model_type`:
+is one `Family` row each in `FAMILIES`, resolved here into flags, so the model code never
+branches on `model_type` (a new family of the same shape is one row):
 
   qwen3      q/k RMSNorm on the head dim; q/k/v/o bias iff `attention_bias`.
   qwen2      q/k/v bias always (checkpoints in the wild say `attention_bias: null` and still
@@ -22,9 +23,26 @@ from typing import Any, Mapping, Optional, Tuple, Union
 
 import jax.numpy as jnp
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
-_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """What a Hugging Face `model_type` fixes about the shared decoder."""
+  architecture: str            # config.json "architectures" entry
+  qk_norm: bool                # RMSNorm on q and k over the head dim
+  fixed_bias: bool = False     # q/k/v bias always, o bias never, whatever attention_bias
+                               #   says (qwen2); else one attention_bias for q/k/v/o
+  moe: bool = False            # sparse MoE MLP layers (config.json num_experts, ...)
+  writes_mlp_bias: bool = False  # to_hf writes mlp_bias=false (llama's key)
+
+
+FAMILIES = {
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+    "qwen2": Family("Qwen2ForCausalLM", qk_norm=False, fixed_bias=True),
+    "llama": Family("LlamaForCausalLM", qk_norm=False, writes_mlp_bias=True),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, moe=True),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)   # the shipped families (checks read FAMILIES)
 # Compute / parameter dtypes by name: the one name -> dtype map (the trainer's settings
 # model.dtype and rollout.dtype take the subset trm_jax.config.DTYPES of these names).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -42,7 +60,7 @@ def dtype_name(dtype: Any) -> str:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a decoder; hashable so it can be a static jit argument."""
-  model_type: str = "qwen3"           # one of SUPPORTED_MODEL_TYPES
+  model_type: str = "qwen3"           # a key of FAMILIES
   vocab_size: int = 128               # V
   hidden_size: int = 64               # D
   intermediate_size: int = 128        # F of dense MLPs
@@ -81,9 +99,9 @@ class ModelConfig:
   remat: bool = False                 # rematerialise each block in the backward pass
 
   def __post_init__(self):
-    if self.model_type not in SUPPORTED_MODEL_TYPES:
+    if self.model_type not in FAMILIES:
       raise ValueError(f"unsupported model_type {self.model_type!r}; supported: "
-                       f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                       f"{', '.join(FAMILIES)}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                        f"num_key_value_heads={self.num_kv_heads}")
@@ -101,10 +119,10 @@ class ModelConfig:
 
   def _resolve_attention_flags(self):
     """Fills None flags from model_type; rejects combinations transformers cannot express."""
-    qwen2, qwen3 = self.model_type == "qwen2", self.model_type in ("qwen3", "qwen3_moe")
+    fam = FAMILIES[self.model_type]
     default_bias = self.o_bias if self.qkv_bias is None else self.qkv_bias
-    flags = dict(qkv_bias=True if qwen2 else bool(default_bias),
-                 o_bias=False if qwen2 else bool(default_bias), qk_norm=qwen3)
+    flags = dict(qkv_bias=True if fam.fixed_bias else bool(default_bias),
+                 o_bias=False if fam.fixed_bias else bool(default_bias), qk_norm=fam.qk_norm)
     for name, want in flags.items():
       got = getattr(self, name)
       if got is not None and got != want:
@@ -135,9 +153,9 @@ class ModelConfig:
               param_dtype: Optional[Any] = None, remat: bool = False) -> "ModelConfig":
     """Parses a transformers `config.json` dict; raises naming any unsupported key."""
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in FAMILIES:
       raise ValueError(f"unsupported model_type {model_type!r} in config.json; supported: "
-                       f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                       f"{', '.join(FAMILIES)}")
 
     def req(key):
       if key not in hf or hf[key] is None:
@@ -155,16 +173,18 @@ class ModelConfig:
     num_heads = int(req("num_attention_heads"))
     hidden = int(req("hidden_size"))
     head_dim = hf.get("head_dim") or hidden // num_heads
+    fam = FAMILIES[model_type]
     attention_bias = bool(hf.get("attention_bias") or False)
-    qkv_bias = True if model_type == "qwen2" else attention_bias
-    o_bias = False if model_type == "qwen2" else attention_bias
+    qkv_bias = True if fam.fixed_bias else attention_bias
+    o_bias = False if fam.fixed_bias else attention_bias
 
     rope = _parse_rope(hf)
     moe = {}
-    if model_type == "qwen3_moe":
+    if fam.moe:
       num_experts = hf.get("num_experts", hf.get("num_local_experts"))
       if num_experts is None:
-        raise ValueError("config.json (qwen3_moe) lacks 'num_experts' / 'num_local_experts'")
+        raise ValueError(f"config.json ({model_type}) lacks 'num_experts' / "
+                         "'num_local_experts'")
       moe = dict(num_experts=int(num_experts),
                  num_experts_per_tok=int(req("num_experts_per_tok")),
                  moe_intermediate_size=int(req("moe_intermediate_size")),
@@ -183,7 +203,7 @@ class ModelConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=o_bias,
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=fam.qk_norm,
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         bos_token_id=_token_ids(hf.get("bos_token_id")),
         eos_token_id=_token_ids(hf.get("eos_token_id")),
@@ -194,8 +214,9 @@ class ModelConfig:
 
   def to_hf(self) -> dict:
     """A `config.json` dict that transformers 5 loads into the same network."""
+    fam = FAMILIES[self.model_type]
     hf = {
-        "architectures": [_ARCHITECTURES[self.model_type]],
+        "architectures": [fam.architecture],
         "model_type": self.model_type,
         "vocab_size": self.vocab_size,
         "hidden_size": self.hidden_size,
@@ -214,11 +235,11 @@ class ModelConfig:
         "dtype": self.param_dtype,
         "rope_parameters": self._rope_parameters(),
     }
-    if self.model_type != "qwen2":
+    if not fam.fixed_bias:
       hf["attention_bias"] = self.qkv_bias
-    if self.model_type == "llama":
+    if fam.writes_mlp_bias:
       hf["mlp_bias"] = False
-    if self.model_type == "qwen3_moe":
+    if fam.moe:
       hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                 moe_intermediate_size=self.moe_intermediate_size,
                 norm_topk_prob=self.norm_topk_prob,

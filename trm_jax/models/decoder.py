@@ -72,8 +72,12 @@ class Block(nnx.Module):
                          policy=policy, index=index)
     h = x + a
     # Cached decoding is never differentiated: its projections accumulate as `project` says.
-    y, route = self.mlp(self.post_attn_norm(h), router_noise_key, router_noise_scale,
-                        inference=policy is not None, routing=routing, with_route=True)
+    x = self.post_attn_norm(h)
+    if isinstance(self.mlp, MoE):   # the router's arguments reach only a layer that routes
+      y, route = self.mlp(x, router_noise_key, router_noise_scale, inference=policy is not None,
+                          routing=routing, with_route=True)
+    else:
+      y, route = self.mlp(x, inference=policy is not None), None
     return h + y, cache, route
 
 

@@ -236,20 +236,14 @@ class MLP(nnx.Module):
     self.up_proj = param(rngs, (D, F), (shd.EMBED, shd.MLP), pd)
     self.down_proj = param(rngs, (F, D), (shd.MLP, shd.EMBED), pd)
 
-  def __call__(self, x: jax.Array, router_noise_key: Optional[jax.Array] = None,
-               router_noise_scale: float = 0.0, *, inference: bool = False,
-               routing: Optional[jax.Array] = None, with_route: bool = False):
-    """x [B, T, D] -> [B, T, D] (with `with_route`: (y, None)); the router arguments exist
-    for interface parity with `MoE` (a dense layer has nothing to route or replay).
-    inference: see `project` (cached decoding)."""
-    del router_noise_key, router_noise_scale, routing
+  def __call__(self, x: jax.Array, *, inference: bool = False) -> jax.Array:
+    """x [B, T, D] -> [B, T, D]. inference: see `project` (cached decoding)."""
     dt = self.cfg.compute_dtype
     x = x.astype(dt)
     g = project("BTD,DF->BTF", x, self.gate_proj[...], dt, inference=inference)
     u = project("BTD,DF->BTF", x, self.up_proj[...], dt, inference=inference)
-    y = project("BTF,FD->BTD", jax.nn.silu(g) * u, self.down_proj[...], dt,
-                inference=inference)
-    return (y, None) if with_route else y
+    return project("BTF,FD->BTD", jax.nn.silu(g) * u, self.down_proj[...], dt,
+                   inference=inference)
 
 
 class MoE(nnx.Module):

@@ -36,6 +36,7 @@ from flax import nnx, struct
 
 from trm_jax import trm
 from trm_jax.kernels import Visibility
+from trm_jax.models.protocol import CausalLM
 from trm_jax.rl import modes, objectives, optim
 from trm_jax.rl.token_terms import token_terms
 
@@ -96,8 +97,8 @@ class LearnerBatch:
   routed_experts: Optional[jax.Array] = None  # [B, L_moe, T, k] MoE choices to replay
 
 
-def _forward(model, batch: LearnerBatch, cfg: LearnerConfig, *, with_teacher: bool,
-             with_routing: bool = False):
+def _forward(model: CausalLM, batch: LearnerBatch, cfg: LearnerConfig, *,
+             with_teacher: bool, with_routing: bool = False):
   """(1) of both passes: learner-track (+ teacher) hidden states and chunked token terms.
 
   With `batch.routed_experts` every MoE layer runs the sampler's experts (routing replay),
@@ -148,7 +149,7 @@ def _distills(cfg: LearnerConfig) -> bool:
   return cfg.learner_mode.distills and cfg.lam > 0
 
 
-def _score(model, batch: LearnerBatch, cfg: LearnerConfig, P: int):
+def _score(model: CausalLM, batch: LearnerBatch, cfg: LearnerConfig, P: int):
   """The scoring pass, (1)-(4) of the module docstring: (logp [B, T], token weights [B, T],
   sequence mask [B], metrics)."""
   terms, routing = _forward(model, batch, cfg, with_teacher=False, with_routing=True)
@@ -176,7 +177,7 @@ def _score(model, batch: LearnerBatch, cfg: LearnerConfig, P: int):
   return logp, weights, seq_mask, metrics
 
 
-def _loss(model, mb: LearnerBatch, normalizer: jax.Array, cfg: LearnerConfig):
+def _loss(model: CausalLM, mb: LearnerBatch, normalizer: jax.Array, cfg: LearnerConfig):
   """One microbatch's loss, (1)-(3) of the update: the objective on the learner track under
   the recomputed TRM mask, plus the mode's distillation. normalizer = [the objective's N,
   the minibatch's response-token count], both over the whole minibatch."""

@@ -69,6 +69,7 @@ from flax import nnx, struct
 
 from trm_jax.kernels.visibility import Visibility
 from trm_jax.models.kv_cache import KVCache
+from trm_jax.models.protocol import CausalLM
 from trm_jax.rollout import cache as kv
 from trm_jax.rollout import eviction, sampling
 from trm_jax.rollout.types import CacheConfig, Rollout, RolloutStats, SamplingConfig
@@ -251,7 +252,7 @@ def run_phase(phase: str, graphdef, state, prompt_ids, prompt_lengths, *, key: j
 def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry=None, *,
                   scfg: SamplingConfig, ccfg: CacheConfig, attn_impl: str,
                   phase: str = "all"):
-  model = nnx.merge(graphdef, state)
+  model: CausalLM = nnx.merge(graphdef, state)
   B, P = prompt_ids.shape
   R = scfg.max_new_tokens
   T = P + R
