@@ -25,6 +25,8 @@ def get_config(arg=None):
   c.total_steps = 500
   c.eval_every = 50
   c.eval_problems = 30               # AIME25 has 30 problems
+  c.eval_batch_size = 512            # evaluation rows per call: 30 x 32 = 960 at once do not
+                                     #   split over 64 chips and would be replicated on each
   c.eval_samples = 32                # avg@32
   c.eval_temperature = 1.0
   c.eval_top_p = 0.95

@@ -26,6 +26,9 @@ def get_config(arg=None):
   c.eval_temperature = 1.0         #   evaluation sampling temperature
   c.eval_top_p = 1.0               #   evaluation nucleus (papers often evaluate at 0.95 while
                                    #   their training rollouts are untruncated)
+  c.eval_batch_size = 256          # rows per evaluation generate call (problems x samples are
+                                   #   sampled in chunks of at most this many, each rounded up
+                                   #   to a multiple of the mesh's batch shards; 0 = all at once)
   c.ckpt_every = 50                # orbax checkpoint cadence (steps)
   c.keep_ckpts = 2                 # checkpoints kept
   c.export_hf = True               # write the final policy as an HF checkpoint (workdir/hf)

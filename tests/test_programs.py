@@ -9,7 +9,9 @@ its own devices with stale parameters (the programs whose inputs differ most).
 """
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 from trm_jax import aot, train
 from trm_jax import programs as programs_lib
@@ -80,3 +82,29 @@ def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch
   assert sorted({name for name, _ in calls}) == sorted(compiled)
   for name, sig in calls:
     assert _spec(sig) == _spec(_signature(compiled[name].args)), name
+
+
+def test_evaluation_in_chunks_equals_one_call(shared_run):
+  """eval_batch_size splits the held-out rows into calls of a fixed row count (the last one
+  padded); greedy correctness of every problem is the same as in one call, and the program
+  AOT compiles is the chunk-sized one (its `calls` per evaluation counted)."""
+  c = shared_run.config()
+  c.eval_problems, c.eval_samples = 10, 1
+  mesh, _ = train.make_mesh(c)
+  out = {}
+  with jax.set_mesh(mesh):
+    model = from_pretrained(str(shared_run.base_dir), dtype=jnp.float32, mesh=mesh)
+    tok = load_tokenizer(str(shared_run.base_dir))
+    task = Task(c.task, seed=c.seed, tokenizer=tok, eval_problems=c.eval_problems)
+    for size in (0, 4):
+      c.eval_batch_size = size
+      ctx, state = step_lib.make_context(c, mesh, model, tok, task)
+      program = ctx.programs["eval_greedy"]
+      out[size] = (program.args[1].shape[0], program.calls,
+                   step_lib._evaluate_rows(ctx, program, nnx.merge_state(state.params, ctx.rest),
+                                           task.prompts(task.eval_problems(10), 1),
+                                           task.eval_problems(10), jax.random.key(3)))
+  # 10 rows on 8 devices: one call of 16 rows (6 padding), or calls of 4 rows rounded up to 8
+  assert step_lib.shd.batch_shards(mesh) == 8
+  assert out[0][:2] == (16, 1) and out[4][:2] == (8, 2)
+  np.testing.assert_array_equal(out[0][2], out[4][2])

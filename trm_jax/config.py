@@ -309,6 +309,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(c.eval_every >= 0, ["eval_every"], "must be >= 0 (0 = only at the end)")
   _require(c.eval_problems >= 0 and c.eval_samples >= 1, ["eval_problems", "eval_samples"],
            "need eval_problems >= 0 and eval_samples >= 1")
+  _require(c.eval_batch_size >= 0, ["eval_batch_size"],
+           f"eval_batch_size={c.eval_batch_size} must be >= 0 (0 = all rows at once)")
   if MODES[c.smd.mode].needs_compressed_cache:
     _require(c.rollout.cache.policy != DENSE, ["smd.mode", "rollout.cache.policy"],
              f"smd.mode={c.smd.mode!r} needs a compressed rollout cache")

@@ -12,7 +12,8 @@ compiles for a TPU slice) both call it, with real or abstract (`nnx.eval_shape`,
                           the frozen KL reference when rl.kl_beta > 0);
   update                  one minibatch update (microbatch scan, optimizer, SMD teacher),
                           rl.num_minibatches x rl.num_epochs per step;
-  eval_greedy             held-out evaluation, greedy, dense cache, learner dtype;
+  eval_greedy             held-out evaluation, greedy, dense cache, learner dtype, in
+                          calls of at most eval_batch_size rows;
   eval_sampled            eval_samples = k > 1: k samples per problem;
   eval_*_compressed       the same under the rollout's cache policy (when it compresses).
 
@@ -125,6 +126,14 @@ def narrowed(dtype, to):
   """`to` for a floating dtype wider than it, else `dtype` unchanged."""
   dtype, to = jnp.dtype(dtype), jnp.dtype(to)
   return to if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize > to.itemsize else dtype
+
+
+def eval_chunk_rows(rows: int, eval_batch_size: int, shards: int) -> int:
+  """Rows of one evaluation generate call: at most `eval_batch_size` of the evaluation's
+  `rows` (0 = all), rounded up to a multiple of the mesh's batch shards so that no call is
+  replicated on every device (`step.evaluate` pads the last chunk)."""
+  n = min(rows, eval_batch_size) if eval_batch_size > 0 else rows
+  return -(-max(n, 1) // shards) * shards
 
 
 def eval_sampling(roll, c: ml_collections.ConfigDict, n: int):
@@ -343,10 +352,12 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
       caches["_compressed"] = cache
     for suffix, cc in caches.items():
       for n in (1, k) if k > 1 else (1,):
+        rows = sizes.eval_problems * n
+        chunk = eval_chunk_rows(rows, c.eval_batch_size, shd.batch_shards(mesh))
         add(f"eval_{'greedy' if n == 1 else 'sampled'}{suffix}",
             make_generate(graphdef, eval_sampling(roll, c, n), cc, c.model.attn_impl), mesh,
-            (nnx.merge_state(params_a, rest_a), *prompts(sizes.eval_problems * n, mesh)),
-            learner_resident, 1, per="evaluation", loop_trips=R - 1)
+            (nnx.merge_state(params_a, rest_a), *prompts(chunk, mesh)),
+            learner_resident, -(-rows // chunk), per="evaluation", loop_trips=R - 1)
   return Programs(programs=programs, tx=tx, lcfg=lcfg, roll=roll, cache=cache,
                   graphdef=graphdef, roll_graphdef=roll_graphdef, param_sh=param_sh,
                   opt_sh=opt_sh, sampler_param_sh=sampler_param_sh,

@@ -376,18 +376,33 @@ def evaluate(ctx: RLContext, params, *, step: Optional[int] = None) -> dict:
     prefix = suffix[1:] + "_" if suffix else ""
     for n in (1, k) if k > 1 else (1,):
       pb = task.prompts(problems, n)
-      ids, lengths = check_prompts(shd.put_batch(pb.tokens, ctx.mesh), pb.lengths)
       program = ctx.programs[f"eval_{'greedy' if n == 1 else 'sampled'}{suffix}"]
-      ro = program(state, ids, lengths, key)
+      correct = _evaluate_rows(ctx, program, state, pb, problems, key)
       if step is not None and not out:
         preemption.debug_point("eval", step)   # test hook: a signal mid-evaluation
-      correct = rewards_of(ctx.tok, ro, problems, pb.problem_ids, task.max_prompt_len) > 0.5
       if n == 1:
         out[prefix + "greedy_accuracy"] = float(correct.mean())
       else:
         out.update({prefix + key: float(v) for key, v in
                     eval_summary(correct.reshape(len(problems), n), ks=(1, n)).items()})
   return out
+
+
+def _evaluate_rows(ctx: RLContext, program, state, pb, problems, key) -> np.ndarray:
+  """[rows] bool correctness of every row of prompt batch `pb`, sampled in calls of the
+  program's row count (eval_batch_size rounded up to the mesh; the last call padded with
+  copies of the last row, which are dropped). Call i > 0 draws from fold_in(key, i), call 0
+  from `key` itself, so an evaluation that fits one call is the same as an unchunked one."""
+  chunk = program.args[1].shape[0]
+  rows = pb.tokens.shape[0]
+  out = []
+  for i, start in enumerate(range(0, rows, chunk)):
+    idx = np.minimum(np.arange(start, start + chunk), rows - 1)   # pad: repeat the last row
+    ids, lengths = check_prompts(shd.put_batch(pb.tokens[idx], ctx.mesh), pb.lengths[idx])
+    ro = program(state, ids, lengths, key if i == 0 else jax.random.fold_in(key, i))
+    ok = rewards_of(ctx.tok, ro, problems, pb.problem_ids[idx], ctx.task.max_prompt_len) > 0.5
+    out.append(ok[:min(chunk, rows - start)])
+  return np.concatenate(out)
 
 
 # ------------------------------------------------------------------------------------------
