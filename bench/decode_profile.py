@@ -111,9 +111,9 @@ def profile(dtype: str, *, B: int = 8, P: int = 128, N: int = 128, cache=CacheCo
   kw = dict(key=jax.random.key(0), sampling_config=scfg, cache_config=cache)
   carry = jax.block_until_ready(run_phase("prefill", graphdef, state, ids, lens, **kw))
   jax.block_until_ready(run_phase("decode", graphdef, state, ids, lens, carry=carry, **kw).tokens)
-  hlo = sampler_lib._generate_jit.lower(
-      graphdef, state, ids, lens, kw["key"], carry, scfg=scfg, ccfg=cache, attn_impl="auto",
-      phase="decode").compile().as_text()
+  hlo = sampler_lib._decode_jit.lower(  # pylint: disable=protected-access
+      graphdef, state, ids, lens, kw["key"], carry, scfg=scfg, ccfg=cache,
+      attn_impl="auto").compile().as_text()
   names = _op_names(hlo)
   tmp = tempfile.mkdtemp(prefix="decode_profile_")
   try:

@@ -59,6 +59,7 @@ accumulation requested so bf16 weights stay bf16 (`layers.project`), o_proj cont
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional, Sequence, Tuple
 
@@ -177,8 +178,7 @@ def generate_from_state(graphdef, state, prompt_ids, prompt_lengths, *, key: jax
   """
   prompt_ids, prompt_lengths = check_prompts(prompt_ids, prompt_lengths)
   return _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key,
-                       scfg=sampling_config, ccfg=cache_config, attn_impl=attn_impl,
-                       phase="all")
+                       scfg=sampling_config, ccfg=cache_config, attn_impl=attn_impl)
 
 
 def check_prompts(prompt_ids, prompt_lengths) -> tuple[jax.Array, jax.Array]:
@@ -209,7 +209,7 @@ def make_generate(graphdef, sampling_config: SamplingConfig,
   static settings bound, as one jitted program (`.lower(...)` compiles it ahead of time).
   Its inputs are not checked: pass them through `check_prompts` first."""
   return jax.jit(functools.partial(_generate_jit, graphdef, scfg=sampling_config,
-                                   ccfg=cache_config, attn_impl=attn_impl, phase="all"))
+                                   ccfg=cache_config, attn_impl=attn_impl))
 
 
 def stream_keys(key: jax.Array):
@@ -228,11 +228,12 @@ def _graphdef_with_dtype(cls, config, dtype_name: str):
 def run_phase(phase: str, graphdef, state, prompt_ids, prompt_lengths, *, key: jax.Array,
               sampling_config: SamplingConfig, cache_config: CacheConfig = CacheConfig(),
               carry=None, attn_impl: str = "auto"):
-  """The two halves of `generate` as separately jitted programs, for profiling (bench).
+  """The two phases of `generate` as separately jitted programs (`_prefill_jit`,
+  `_decode_jit`), e.g. to time the decode loop on its own (bench/).
 
   phase="prefill" returns the decode loop's initial `DecodeState`; phase="decode" runs the
   loop from that `carry` (same other arguments) and returns the `Rollout`. `generate`
-  compiles both halves into one program.
+  compiles both phases into one program; all three trace the same `_prefill` and `_decode`.
   """
   if phase not in ("prefill", "decode"):
     raise ValueError(f"phase={phase!r}; expected 'prefill' or 'decode'")
@@ -241,109 +242,159 @@ def run_phase(phase: str, graphdef, state, prompt_ids, prompt_lengths, *, key: j
   if carry is not None and not isinstance(carry, DecodeState):
     raise ValueError(f"carry must be the DecodeState of run_phase('prefill'), got "
                      f"{type(carry).__name__}")
-  return _generate_jit(graphdef, state, jnp.asarray(prompt_ids, jnp.int32),
-                       jnp.asarray(prompt_lengths, jnp.int32), key, carry,
-                       scfg=sampling_config, ccfg=cache_config, attn_impl=attn_impl,
-                       phase=phase)
+  args = (graphdef, state, jnp.asarray(prompt_ids, jnp.int32),
+          jnp.asarray(prompt_lengths, jnp.int32), key)
+  static = dict(scfg=sampling_config, ccfg=cache_config, attn_impl=attn_impl)
+  if phase == "prefill":
+    return _prefill_jit(*args, **static)
+  return _decode_jit(*args, carry, **static)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("graphdef", "scfg", "ccfg", "attn_impl", "phase"))
-def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry=None, *,
-                  scfg: SamplingConfig, ccfg: CacheConfig, attn_impl: str,
-                  phase: str = "all"):
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """What both phases of one generate call derive from its inputs (traced arrays)."""
+  model: CausalLM
+  scfg: SamplingConfig
+  policy: eviction.CacheEviction   # the cache policy of every layer
+  start: jax.Array                 # [B] int32 array index of each row's first valid token
+  valid: jax.Array                 # [B, P] bool non-padding prompt positions
+  k_sample: jax.Array              # the sampling, logit-noise and router-noise streams
+  k_noise: jax.Array
+  k_router: jax.Array
+
+  def router_noise(self, step) -> dict:
+    """The MoE router jitter of query `step` (a fresh key per query index)."""
+    if self.scfg.router_noise_scale > 0:
+      return dict(router_noise_key=jax.random.fold_in(self.k_router, step),
+                  router_noise_scale=self.scfg.router_noise_scale)
+    return {}
+
+  def next_token(self, h, step):
+    """h [B, D] final-normed hidden state of query `step` -> (tokens, logp, dist, entropy)
+    for index step + 1."""
+    with jax.named_scope("unembed"):
+      logits = self.model.unembed(h)                                  # [B, V] fp32
+    if self.scfg.logit_noise > 0:
+      logits = logits + self.scfg.logit_noise * sampling.gaussian_noise(
+          jax.random.fold_in(self.k_noise, step), logits.shape)
+    return sampling.draw(jax.random.fold_in(self.k_sample, step), logits, self.scfg)
+
+
+def _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg: SamplingConfig,
+          ccfg: CacheConfig) -> _Call:
   model: CausalLM = nnx.merge(graphdef, state)
+  P = prompt_ids.shape[1]
+  R = scfg.max_new_tokens
+  k_sample, k_noise, k_router, k_evict = stream_keys(key)
+  start = P - prompt_lengths                                          # [B]
+  valid = jnp.arange(P, dtype=jnp.int32)[None, :] >= start[:, None]   # [B, P]
+  keep, budget = kv.row_budgets(ccfg, prompt_lengths, P, R)           # [B], [B]
+  policy = eviction.CacheEviction(ccfg, valid=valid, start=start, keep=keep, budget=budget,
+                                  length=P + R, prompt_slots=kv.prompt_slots(ccfg, P, R),
+                                  total_slots=kv.num_slots(ccfg, P, R), rand_key=k_evict)
+  return _Call(model=model, scfg=scfg, policy=policy, start=start, valid=valid,
+               k_sample=k_sample, k_noise=k_noise, k_router=k_router)
+
+
+def _prefill(g: _Call, prompt_ids, attn_impl: str) -> DecodeState:
+  """The blocks over the whole prompt, each layer's cache from its q/k/v, and the first
+  sampled token (index P): the decode loop's initial state."""
+  model, scfg = g.model, g.scfg
   B, P = prompt_ids.shape
   R = scfg.max_new_tokens
   T = P + R
-  Cp, C = kv.prompt_slots(ccfg, P, R), kv.num_slots(ccfg, P, R)
-  k_sample, k_noise, k_router, k_evict = stream_keys(key)
-
-  start = P - prompt_lengths                                          # [B]
   idx = jnp.arange(P, dtype=jnp.int32)
-  valid = idx[None, :] >= start[:, None]                              # [B, P]
-  keep, budget = kv.row_budgets(ccfg, prompt_lengths, P, R)           # [B], [B]
-  policy = eviction.CacheEviction(ccfg, valid=valid, start=start, keep=keep, budget=budget,
-                                  length=T, prompt_slots=Cp, total_slots=C, rand_key=k_evict)
+  h, caches, routing = model.prefill(
+      prompt_ids, g.policy, positions=jnp.maximum(idx[None, :] - g.start[:, None], 0),
+      visibility=Visibility(segment_ids=g.valid.astype(jnp.int32)), attn_impl=attn_impl,
+      with_routing=True, **g.router_noise(P - 1))
+  routed = None
+  if scfg.record_routing:
+    if routing is None:
+      raise ValueError("record_routing=True needs a model with MoE layers; this "
+                       f"{model.config.model_type} model has none")
+    rdt = routing_dtype(model.config.num_experts)
+    routed = jnp.concatenate([routing.chosen.astype(rdt), jnp.full(
+        routing.chosen.shape[:2] + (R,) + routing.chosen.shape[3:], -1, rdt)], axis=2)
+  zeros = jnp.zeros((B, T), jnp.float32)
+  kk = scfg.keep_topk_logprobs
+  V = model.config.vocab_size
+  s = DecodeState(
+      index=jnp.int32(P),
+      tokens=jnp.concatenate([prompt_ids, jnp.full((B, R), scfg.pad_id, jnp.int32)], axis=1),
+      logp=zeros, entropy=zeros, mask=jnp.zeros((B, T), jnp.int32),
+      done=jnp.zeros((B,), bool), caches=caches,
+      topk_logp=jnp.zeros((B, T, kk), jnp.float32) if kk else None,
+      topk_ids=jnp.zeros((B, T, kk), jnp.int32) if kk else None,
+      full_logp=jnp.zeros((B, T, V), jnp.float32) if scfg.keep_full_logprobs else None,
+      routed=routed)
+  return _record(s, P, *g.next_token(h, P - 1), scfg)
 
-  def router_noise(step):
-    """The MoE router jitter of query `step` (a fresh key per query index)."""
-    if scfg.router_noise_scale > 0:
-      return dict(router_noise_key=jax.random.fold_in(k_router, step),
-                  router_noise_scale=scfg.router_noise_scale)
-    return {}
 
-  def next_token(h, step):
-    """h [B, D] final-normed hidden state of query `step` -> (tokens, logp, dist, entropy) for
-    index step + 1."""
-    with jax.named_scope("unembed"):
-      logits = model.unembed(h)                                       # [B, V] fp32
-    if scfg.logit_noise > 0:
-      logits = logits + scfg.logit_noise * sampling.gaussian_noise(
-          jax.random.fold_in(k_noise, step), logits.shape)
-    return sampling.draw(jax.random.fold_in(k_sample, step), logits, scfg)
+def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
+  """The decode loop from `s`: query i feeds token i and samples token i + 1, until every
+  row has finished or T - 1 is reached; the `Rollout` with its retention record."""
+  model, scfg = g.model, g.scfg
+  B, P = g.valid.shape
+  T = P + scfg.max_new_tokens
 
-  if phase == "decode":
-    s = carry
-  else:
-    # --- prefill: the blocks over the whole prompt, then each layer's cache from its q/k/v --
-    h, caches, routing = model.prefill(
-        prompt_ids, policy, positions=jnp.maximum(idx[None, :] - start[:, None], 0),
-        visibility=Visibility(segment_ids=valid.astype(jnp.int32)), attn_impl=attn_impl,
-        with_routing=True, **router_noise(P - 1))
-    routed = None
-    if scfg.record_routing:
-      if routing is None:
-        raise ValueError("record_routing=True needs a model with MoE layers; this "
-                         f"{model.config.model_type} model has none")
-      rdt = routing_dtype(model.config.num_experts)
-      routed = jnp.concatenate([routing.chosen.astype(rdt), jnp.full(
-          routing.chosen.shape[:2] + (R,) + routing.chosen.shape[3:], -1, rdt)], axis=2)
-    zeros = jnp.zeros((B, T), jnp.float32)
-    kk = scfg.keep_topk_logprobs
-    V = model.config.vocab_size
-    s = DecodeState(
-        index=jnp.int32(P),
-        tokens=jnp.concatenate([prompt_ids, jnp.full((B, R), scfg.pad_id, jnp.int32)], axis=1),
-        logp=zeros, entropy=zeros, mask=jnp.zeros((B, T), jnp.int32),
-        done=jnp.zeros((B,), bool), caches=caches,
-        topk_logp=jnp.zeros((B, T, kk), jnp.float32) if kk else None,
-        topk_ids=jnp.zeros((B, T, kk), jnp.int32) if kk else None,
-        full_logp=jnp.zeros((B, T, V), jnp.float32) if scfg.keep_full_logprobs else None,
-        routed=routed)
-    s = _record(s, P, *next_token(h, P - 1), scfg)
-    if phase == "prefill":
-      return s
-
-  # --- decode: query i feeds token i and samples token i + 1 -------------------------------
   def cond(s: DecodeState):
     return (s.index < T - 1) & ~jnp.all(s.done)
 
   def body(s: DecodeState) -> DecodeState:
     i = s.index
     h, caches, routing = model.decode_step(
-        jax.lax.dynamic_slice_in_dim(s.tokens, i, 1, axis=1), s.caches, policy,
-        positions=(i - start)[:, None], index=i, with_routing=True, **router_noise(i))
+        jax.lax.dynamic_slice_in_dim(s.tokens, i, 1, axis=1), s.caches, g.policy,
+        positions=(i - g.start)[:, None], index=i, with_routing=True, **g.router_noise(i))
     if scfg.record_routing:   # the experts token i ran through, in every MoE layer
       s = s.replace(routed=jax.lax.dynamic_update_slice_in_dim(
           s.routed, routing.chosen.astype(s.routed.dtype), i, axis=2))
-    s = _record(s.replace(caches=caches), i + 1, *next_token(h, i), scfg)
+    s = _record(s.replace(caches=caches), i + 1, *g.next_token(h, i), scfg)
     return s.replace(index=i + 1)
 
   s = jax.lax.while_loop(cond, body, s)
 
   return Rollout(
       tokens=s.tokens,
-      segment_ids=jnp.concatenate([valid.astype(jnp.int32), s.mask[:, P:]], axis=1),
+      segment_ids=jnp.concatenate([g.valid.astype(jnp.int32), s.mask[:, P:]], axis=1),
       prompt_lengths=prompt_lengths,
       response_lengths=jnp.sum(s.mask, axis=1).astype(jnp.int32),
       response_mask=s.mask,
       logp=s.logp,
       evicted_at=jnp.stack([c.evicted_at for c in s.caches], axis=1),   # [B, L, K, T]
       stats=RolloutStats(finished=s.done, decode_steps=s.index - P, entropy=s.entropy,
-                         cache_slots=C, cache_bytes=kv.nbytes([(c.k, c.v) for c in s.caches])),
+                         cache_slots=g.policy.total_slots,
+                         cache_bytes=kv.nbytes([(c.k, c.v) for c in s.caches])),
       topk_ids=s.topk_ids, topk_logp=s.topk_logp, full_logp=s.full_logp,
       routed_experts=s.routed)
+
+
+_STATIC = ("graphdef", "scfg", "ccfg", "attn_impl")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, *,
+                  scfg: SamplingConfig, ccfg: CacheConfig, attn_impl: str) -> Rollout:
+  """The whole sampler as one program: prefill, then the decode loop."""
+  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg)
+  return _decode(g, _prefill(g, prompt_ids, attn_impl), prompt_lengths)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _prefill_jit(graphdef, state, prompt_ids, prompt_lengths, key, *,
+                 scfg: SamplingConfig, ccfg: CacheConfig, attn_impl: str) -> DecodeState:
+  """The prefill alone (`run_phase("prefill")`)."""
+  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg)
+  return _prefill(g, prompt_ids, attn_impl)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _decode_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry: DecodeState, *,
+                scfg: SamplingConfig, ccfg: CacheConfig, attn_impl: str) -> Rollout:
+  """The decode loop alone, from the prefill's state (`run_phase("decode")`)."""
+  del attn_impl   # the decode loop attends through the cache
+  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg)
+  return _decode(g, carry, prompt_lengths)
 
 
 def _record(s: DecodeState, at, tok: jax.Array, logp: jax.Array, dist: jax.Array,
