@@ -395,48 +395,38 @@ def check_tokenizer_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
           "belong to this model")
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-  """Loads the tokenizer of a checkpoint.
-
-  Args:
-    path: a checkpoint directory holding `tokenizer.json` or `tokenizer.model` (the former wins
-      when both exist, as in transformers' fast tokenizers), or a path to either file.
-  """
+def _tokenizer_file(path: str) -> tuple[str, str]:
+  """(directory, file name) of the tokenizer at `path`: tokenizer.json, else tokenizer.model."""
   if os.path.isfile(path):
-    directory, fname = os.path.dirname(path) or ".", os.path.basename(path)
-  else:
-    directory, fname = path, None
-    if not os.path.isdir(path):
-      raise FileNotFoundError(f"tokenizer path {path} does not exist")
-    for candidate in ("tokenizer.json", "tokenizer.model"):
-      if os.path.exists(os.path.join(path, candidate)):
-        fname = candidate
-        break
-    if fname is None:
-      raise FileNotFoundError(f"{path} holds neither tokenizer.json nor tokenizer.model")
-  file = os.path.join(directory, fname)
-  config = _read_json(os.path.join(directory, "tokenizer_config.json"))
-  legacy_map = _read_json(os.path.join(directory, "special_tokens_map.json"))
-  gen_config = _read_json(os.path.join(directory, "generation_config.json"))
+    return os.path.dirname(path) or ".", os.path.basename(path)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"tokenizer path {path} does not exist")
+  for candidate in ("tokenizer.json", "tokenizer.model"):
+    if os.path.exists(os.path.join(path, candidate)):
+      return path, candidate
+  raise FileNotFoundError(f"{path} holds neither tokenizer.json nor tokenizer.model")
 
-  special_tokens = {}
-  for name in _NAMED_TOKENS:
-    content = _token_content(config.get(name, legacy_map.get(name)))
-    if content is not None:
-      special_tokens[name] = content
 
-  if fname.endswith(".json"):
-    backend = _HFBackend(file)
-  else:
-    backend = _SPBackend(file, add_bos=bool(config.get("add_bos_token", True)),
-                         add_eos=bool(config.get("add_eos_token", False)))
-    sp = backend.sp
-    for idx in (sp.bos_id(), sp.eos_id(), sp.pad_id(), sp.unk_id()):
-      if idx >= 0:
-        backend.register_special(sp.id_to_piece(idx), idx)
-    for idx, tok in config.get("added_tokens_decoder", {}).items():
-      backend.register_special(_token_content(tok), int(idx))
+def _backend(file: str, config: dict):
+  """The tokenizer.json (`tokenizers`) or tokenizer.model (sentencepiece) backend, with the
+  sentencepiece model's special pieces and the config's added tokens registered."""
+  if file.endswith(".json"):
+    return _HFBackend(file)
+  backend = _SPBackend(file, add_bos=bool(config.get("add_bos_token", True)),
+                       add_eos=bool(config.get("add_eos_token", False)))
+  sp = backend.sp
+  for idx in (sp.bos_id(), sp.eos_id(), sp.pad_id(), sp.unk_id()):
+    if idx >= 0:
+      backend.register_special(sp.id_to_piece(idx), idx)
+  for idx, tok in config.get("added_tokens_decoder", {}).items():
+    backend.register_special(_token_content(tok), int(idx))
+  return backend
 
+
+def _special_ids(backend, special_tokens: dict, gen_config: dict, directory: str,
+                 fname: str) -> tuple:
+  """(bos_id, eos_id, pad_id, stop_ids): each from tokenizer_config.json's token, else
+  generation_config.json, else the sentencepiece model; pad falls back to eos."""
   def named_id(name: str) -> Optional[int]:
     content = special_tokens.get(name)
     if content is None:
@@ -479,7 +469,28 @@ def load_tokenizer(path: str) -> Tokenizer:
     if idx is not None and not 0 <= idx < backend.vocab_size:
       raise ValueError(f"{directory}: {name} id {idx} is outside the vocabulary "
                        f"[0, {backend.vocab_size})")
+  return bos_id, eos_id, pad_id, stop_ids
 
+
+def load_tokenizer(path: str) -> Tokenizer:
+  """Loads the tokenizer of a checkpoint.
+
+  Args:
+    path: a checkpoint directory holding `tokenizer.json` or `tokenizer.model` (the former wins
+      when both exist, as in transformers' fast tokenizers), or a path to either file.
+  """
+  directory, fname = _tokenizer_file(path)
+  config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+  legacy_map = _read_json(os.path.join(directory, "special_tokens_map.json"))
+  gen_config = _read_json(os.path.join(directory, "generation_config.json"))
+  special_tokens = {}
+  for name in _NAMED_TOKENS:
+    content = _token_content(config.get(name, legacy_map.get(name)))
+    if content is not None:
+      special_tokens[name] = content
+  backend = _backend(os.path.join(directory, fname), config)
+  bos_id, eos_id, pad_id, stop_ids = _special_ids(backend, special_tokens, gen_config,
+                                                  directory, fname)
   return Tokenizer(backend=backend, path=directory, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
                    stop_ids=stop_ids, special_tokens=special_tokens,
                    chat_template=_read_chat_template(directory, config))
