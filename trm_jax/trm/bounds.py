@@ -62,6 +62,41 @@ def pinsker_fill(*, delta=None, eps=None, kl_seq=None, tv_seq=None) -> dict:
   return dict(delta=delta, eps=eps, kl_seq=kl_seq, tv_seq=tv_seq)
 
 
+def _check_horizon(T) -> int:
+  if not isinstance(T, (int, np.integer)) or isinstance(T, bool) or T < 1:
+    raise ValueError(f"compute_bounds: T must be a static Python int >= 1, got {T!r}")
+  return int(T)
+
+
+def _coerce(T: int, inputs: dict):
+  """(xp, dtype, {name: array}) of the given inputs: jnp in their float dtype (at least
+  fp32) when any is a jax value or tracer, else numpy float64 with a >= 0 check; shapes
+  checked (dbar [T], the others scalars)."""
+  use_jnp = any(_is_traced_or_jax(v) for v in inputs.values())
+  xp = jnp if use_jnp else np
+  if use_jnp:
+    dtype = jnp.result_type(*[v for v in inputs.values() if v is not None], jnp.float32)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      dtype = jnp.float32
+  else:
+    dtype = np.float64
+  vals = {}
+  for name, v in inputs.items():
+    if v is None:
+      continue
+    a = xp.asarray(v, dtype=dtype)
+    want_ndim = 1 if name == "dbar" else 0
+    if a.ndim != want_ndim:
+      raise ValueError(f"compute_bounds: `{name}` must have {want_ndim} dims, got shape "
+                       f"{a.shape}")
+    if name == "dbar" and a.shape[0] != T:
+      raise ValueError(f"compute_bounds: `dbar` must have shape [T] = [{T}], got {a.shape}")
+    if not use_jnp and np.any(a < 0):
+      raise ValueError(f"compute_bounds: `{name}` must be >= 0, got {v!r}")
+    vals[name] = a
+  return xp, dtype, vals
+
+
 def compute_bounds(T: int, *, delta=None, eps=None, kl_seq=None, tv_seq=None,
                    dbar=None) -> dict:
   """All bounds of the family whose inputs are given, plus `unified` (their minimum).
@@ -79,33 +114,9 @@ def compute_bounds(T: int, *, delta=None, eps=None, kl_seq=None, tv_seq=None,
     dict name -> scalar, keys a subset of BOUND_NAMES in that order; `unified` is present
     whenever at least one bound is.
   """
-  if not isinstance(T, (int, np.integer)) or isinstance(T, bool) or T < 1:
-    raise ValueError(f"compute_bounds: T must be a static Python int >= 1, got {T!r}")
-  T = int(T)
-  inputs = dict(delta=delta, eps=eps, kl_seq=kl_seq, tv_seq=tv_seq, dbar=dbar)
-  use_jnp = any(_is_traced_or_jax(v) for v in inputs.values())
-  xp = jnp if use_jnp else np
-  if use_jnp:
-    dtype = jnp.result_type(*[v for v in inputs.values() if v is not None], jnp.float32)
-    if not jnp.issubdtype(dtype, jnp.floating):
-      dtype = jnp.float32
-  else:
-    dtype = np.float64
-
-  vals = {}
-  for name, v in inputs.items():
-    if v is None:
-      continue
-    a = xp.asarray(v, dtype=dtype)
-    want_ndim = 1 if name == "dbar" else 0
-    if a.ndim != want_ndim:
-      raise ValueError(f"compute_bounds: `{name}` must have {want_ndim} dims, got shape "
-                       f"{a.shape}")
-    if name == "dbar" and a.shape[0] != T:
-      raise ValueError(f"compute_bounds: `dbar` must have shape [T] = [{T}], got {a.shape}")
-    if not use_jnp and np.any(a < 0):
-      raise ValueError(f"compute_bounds: `{name}` must be >= 0, got {v!r}")
-    vals[name] = a
+  T = _check_horizon(T)
+  xp, dtype, vals = _coerce(T, dict(delta=delta, eps=eps, kl_seq=kl_seq, tv_seq=tv_seq,
+                                    dbar=dbar))
   delta, eps = vals.get("delta"), vals.get("eps")
   kl_seq, tv_seq, dbar = vals.get("kl_seq"), vals.get("tv_seq"), vals.get("dbar")
 
@@ -150,7 +161,7 @@ def compute_bounds(T: int, *, delta=None, eps=None, kl_seq=None, tv_seq=None,
     for v in out.values():
       unified = v if unified is None else xp.minimum(unified, v)
     out["unified"] = unified
-  if not use_jnp:
+  if xp is np:
     out = {k: np.float64(v) for k, v in out.items()}
   return {k: out[k] for k in BOUND_NAMES if k in out}
 
