@@ -274,6 +274,30 @@ def abstract_batch(c: ml_collections.ConfigDict, mcfg, lcfg: LearnerConfig,
                           routing_dtype(mcfg.num_experts)) if r.routing_replay else None))
 
 
+def _eval_programs(c: ml_collections.ConfigDict, graphdef: nnx.GraphDef, roll, cache,
+                   mesh: jax.sharding.Mesh, state_a, resident, sizes: Sizes) -> dict:
+  """step.evaluate's programs: greedy (and k > 1 samples per problem) in the learner's
+  dtype, with the dense cache and, when the rollouts compress, the rollout's; each called
+  on chunks of at most eval_batch_size rows."""
+  k = c.eval_samples
+  caches = {"": CacheConfig()}
+  if cache.compresses:
+    caches["_compressed"] = cache
+  out = {}
+  for suffix, cc in caches.items():
+    for n in (1, k) if k > 1 else (1,):
+      rows = sizes.eval_problems * n
+      chunk = eval_chunk_rows(rows, c.eval_batch_size, shd.batch_shards(mesh))
+      name = f"eval_{'greedy' if n == 1 else 'sampled'}{suffix}"
+      out[name] = Program(
+          name=name, fn=make_generate(graphdef, eval_sampling(roll, c, n), cc,
+                                      c.model.attn_impl),
+          mesh=mesh, args=(state_a, *_abstract_prompts(chunk, mesh, P=sizes.P)),
+          resident=resident, calls=-(-rows // chunk), per="evaluation",
+          loop_trips=sizes.R - 1)
+  return out
+
+
 def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Mesh,
           sampler_mesh: Optional[jax.sharding.Mesh], sizes: Sizes) -> Programs:
   """The run's programs for `model` (real, or `abstract_model`) placed on `mesh`; the sampler
@@ -346,18 +370,8 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
 
   # --- held-out evaluation (step.evaluate): learner dtype, dense and compressed caches --------
   if sizes.eval_problems:
-    k = c.eval_samples
-    caches = {"": CacheConfig()}
-    if cache.compresses:
-      caches["_compressed"] = cache
-    for suffix, cc in caches.items():
-      for n in (1, k) if k > 1 else (1,):
-        rows = sizes.eval_problems * n
-        chunk = eval_chunk_rows(rows, c.eval_batch_size, shd.batch_shards(mesh))
-        add(f"eval_{'greedy' if n == 1 else 'sampled'}{suffix}",
-            make_generate(graphdef, eval_sampling(roll, c, n), cc, c.model.attn_impl), mesh,
-            (nnx.merge_state(params_a, rest_a), *prompts(chunk, mesh)),
-            learner_resident, -(-rows // chunk), per="evaluation", loop_trips=R - 1)
+    programs.update(_eval_programs(c, graphdef, roll, cache, mesh,
+                                   nnx.merge_state(params_a, rest_a), learner_resident, sizes))
   return Programs(programs=programs, tx=tx, lcfg=lcfg, roll=roll, cache=cache,
                   graphdef=graphdef, roll_graphdef=roll_graphdef, param_sh=param_sh,
                   opt_sh=opt_sh, sampler_param_sh=sampler_param_sh,
