@@ -1,12 +1,14 @@
-"""A new objective or cache policy is one definition plus a registration (docs/architecture.md).
+"""A new objective, learner mode or cache policy is one definition plus a registration
+(docs/architecture.md).
 
-Both toys below are defined and registered here, in the test file, and nowhere in the package:
+The toys below are defined and registered here, in the test file, and nowhere in the package:
   * a cache policy runs through the sampler and the learner: it decides what is evicted, and
     the learner in SMD mode, replaying the rollout's `evicted_at`, scores its tokens with the
     sampler's log-probs (a ratio of 1);
   * the trainer's `rl_step` runs with a toy objective (one setting of its own in `config.rl`)
-    on rollouts of the toy cache policy in SMD mode: the config reaches both through their
-    registry entries alone, and the update moves the parameters.
+    and a toy learner mode (SMD's replay and distillation plus token weights of its own) on
+    rollouts of the toy cache policy: the config reaches all three through their registry
+    entries alone, and the update moves the parameters.
 Each fixture removes its entry again, so no other test sees it.
 """
 import jax
@@ -24,7 +26,7 @@ from trm_jax.data import Task, synthetic
 from trm_jax.kernels import NEVER_EVICTED
 from model_fixtures import make_test_model
 from trm_jax.models import Decoder
-from trm_jax.rl import objectives
+from trm_jax.rl import modes, objectives
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
 from trm_jax.rollout import CacheConfig, EvictionPolicy, generate, policies
 
@@ -47,6 +49,21 @@ def toy_reinforce(*, logp_theta, logp_roll, advantages, response_mask, seq_mask,
   loss = objectives.aggregate(-toy_scale * logp_theta, w, response_mask, loss_agg=loss_agg,
                               normalizer=normalizer, max_len=max_len)
   return loss, {"toy/scale": jnp.float32(toy_scale)}
+
+
+def half_weights(logp, logp_roll, response_mask):
+  """Toy score-pass token weights: every response token counts half."""
+  del logp, logp_roll
+  return 0.5 * response_mask, {"toy/weight_sum": jnp.sum(0.5 * response_mask)}
+
+
+@pytest.fixture
+def toy_mode():
+  modes.register_mode("toy_shadow", modes.LearnerMode(
+      needs_compressed_cache=True, replays_eviction=True, distills=True,
+      token_weights=half_weights))
+  yield "toy_shadow"
+  del modes.MODES["toy_shadow"]
 
 
 @pytest.fixture
@@ -89,10 +106,11 @@ def test_toy_cache_policy_through_sampler_and_learner(keep_even):
   np.testing.assert_allclose(logp[resp], np.asarray(ro.logp)[resp], atol=1e-5, rtol=0)
 
 
-def test_toy_objective_and_policy_in_rl_step(keep_even, toy_objective, tmp_path):
+def test_toy_objective_mode_and_policy_in_rl_step(keep_even, toy_objective, toy_mode,
+                                                  tmp_path):
   c = config_lib.load_config("tiny_trm")
   c.rl.objective, c.rl.toy_scale = toy_objective, 0.5      # the toy's own setting
-  c.rollout.cache.policy, c.rollout.cache.ratio, c.smd.mode = keep_even, 0.5, "smd"
+  c.rollout.cache.policy, c.rollout.cache.ratio, c.smd.mode = keep_even, 0.5, toy_mode
   c.rl.batch_size, c.rl.group_size, c.eval_problems, c.total_steps = 8, 2, 0, 1
   c.trm.criteria, c.rollout.dtype, c.rollout.logit_noise = (), "float32", 0.0
   c.task.synthetic.max_operands, c.task.synthetic.max_value = 2, 5
@@ -111,6 +129,6 @@ def test_toy_objective_and_policy_in_rl_step(keep_even, toy_objective, tmp_path)
     state, metrics = step_lib.rl_step(ctx, state)
   assert KeepEven.traced > 0
   assert metrics["toy/scale"] == 0.5 and metrics["learner/skipped"] == 0.0
-  assert metrics["smd/distill_kl"] >= 0.0
+  assert metrics["smd/distill_kl"] >= 0.0 and metrics["toy/weight_sum"] > 0.0
   moved = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state.params)
   assert any(jax.tree.leaves(moved))
