@@ -189,6 +189,8 @@ class Programs:
   cache: CacheConfig        # the sampler's KV cache
   graphdef: nnx.GraphDef    # the policy's graph (learner dtype)
   roll_graphdef: nnx.GraphDef   # the same graph computing in rollout.dtype
+  sampler_dtype: Any            # rollout.dtype as a dtype: what the sampler's copies and the
+                                #   stale versions are narrowed to (step.narrow)
   param_sh: Any             # parameter shardings (learner mesh)
   opt_sh: Any               # optimizer-state shardings
   sampler_param_sh: Any = None   # disaggregated sampler: parameter shardings on its mesh
@@ -373,7 +375,8 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
     programs.update(_eval_programs(c, graphdef, roll, cache, mesh,
                                    nnx.merge_state(params_a, rest_a), learner_resident, sizes))
   return Programs(programs=programs, tx=tx, lcfg=lcfg, roll=roll, cache=cache,
-                  graphdef=graphdef, roll_graphdef=roll_graphdef, param_sh=param_sh,
+                  graphdef=graphdef, roll_graphdef=roll_graphdef, sampler_dtype=to,
+                  param_sh=param_sh,
                   opt_sh=opt_sh, sampler_param_sh=sampler_param_sh,
                   sampler_rest_sh=sampler_rest_sh,
                   sent_params=roll_params if sampler_mesh is not None else None)

@@ -48,7 +48,7 @@ from trm_jax import programs as programs_lib
 from trm_jax import sharding as shd
 from trm_jax.data import math_reward
 from trm_jax.data import summarize as eval_summary
-from trm_jax.programs import DTYPES, OOM_KNOBS, Programs, narrowed
+from trm_jax.programs import DTYPES, OOM_KNOBS, Programs, narrowed  # noqa: F401 (DTYPES: train)
 from trm_jax.rl import advantages as adv_lib
 from trm_jax.rl.learner import LearnerBatch
 from trm_jax.rollout.sampler import check_prompts
@@ -167,7 +167,7 @@ def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: n
                   ref_params=jax.tree.map(jnp.copy, params) if progs.lcfg.kl_beta > 0 else None,
                   **disagg)
   # Before any update every stale version is the starting policy: one copy serves them all.
-  start = narrow(DTYPES[c.rollout.dtype])(params) if c.rl.staleness else None
+  start = narrow(progs.sampler_dtype)(params) if c.rl.staleness else None
   return ctx, TrainState(params=params, opt_state=opt_state,
                          history=(start,) * c.rl.staleness)
 
@@ -192,7 +192,7 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   # disaggregated sampler's copy start without queueing behind that update.
   history = state.history
   if history:
-    history = history[1:] + (narrow(DTYPES[c.rollout.dtype])(state.params),)
+    history = history[1:] + (narrow(ctx.programs.sampler_dtype)(state.params),)
   n_prompts = c.rl.batch_size // c.rl.group_size
   rollout_metrics = {"rollout/staleness": float(lag), "rollout/policy_version": float(fl.version),
                      "rollout/cache_bytes": float(ro.stats.cache_bytes), **fl.sync}
@@ -331,7 +331,7 @@ def to_sampler(ctx: RLContext, params):
   sampler's dtype on the learner's devices (every weight enters the sampler's computation as
   `w.astype(compute dtype)`, so narrowing first changes no rollout bit and halves a bf16
   sampler's copy), then resharded onto the sampler's devices."""
-  to = DTYPES[ctx.c.rollout.dtype]
+  to = ctx.programs.sampler_dtype
   if any(narrowed(x.dtype, to) != x.dtype for x in jax.tree.leaves(params)):
     params = narrow(to)(params)   # k = 0: the current parameters; history is narrow already
   return jax.device_put(params, ctx.sampler_param_sh)
