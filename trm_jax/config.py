@@ -1,7 +1,9 @@
 """Experiment configs: loading, `--config.key=value` overrides, and consistency checks.
 
 Configs are Python files with `get_config(arg=None) -> ml_collections.ConfigDict` (big_vision
-style). Every setting has exactly one default, in the config file. This module adds what
+style). Every setting a run reads has exactly one default, in the config file (the
+dataclasses behind them, `LearnerConfig`, `CacheConfig`, have defaults only for direct library
+use; the trainer always passes the config's values). This module adds what
 ml-collections does not do well by itself:
   * an unknown or misspelt override key fails *before any work*, naming the key and the
     closest valid keys (ml-collections raises a bare AttributeError deep in absl);
