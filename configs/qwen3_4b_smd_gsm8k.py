@@ -47,6 +47,7 @@ def get_config(arg=None):
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0
   c.rollout.keep_full_logprobs = False
+  c.rollout.slots = 0                # every row at once (no continuous batching)
   c.rollout.keep_topk_logprobs = 0
   c.rollout.cache = dict(policy="snapkv", ratio=0.5, capacity=0, window=32, kernel=7,
                          recent_frac=0.5, sinks=4)

@@ -47,6 +47,7 @@ def get_config(arg=None):
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0              # untruncated: see the module docstring
   c.rollout.keep_full_logprobs = False   # V = 151,936: keep top-k (a lower bound on KL/TV)
+  c.rollout.slots = 0                # every row at once (no continuous batching)
   c.rollout.keep_topk_logprobs = 20
 
   c.rl.group_size = 16

@@ -10,7 +10,8 @@ from trm_jax.kernels.visibility import Visibility
 from model_fixtures import make_test_model
 from trm_jax.rollout import CacheConfig, SamplingConfig, generate, run_phase, token_logprobs
 from trm_jax.rollout.sampler import stream_keys
-from trm_jax.rollout.sampling import gaussian_noise
+from trm_jax import rng
+from trm_jax.rollout.sampling import row_noise
 
 P, R = 8, 6
 LENS = np.array([8, 3], np.int32)
@@ -37,10 +38,12 @@ def test_noisy_truncated_sampling_is_replayed_exactly(model):
   scfg = SamplingConfig(max_new_tokens=R, **kw)
   logits = model(r.tokens, visibility=Visibility(segment_ids=r.segment_ids,
                                                  evicted_at=r.evicted_at))
-  # The sampler drew token i + 1 from logits[i] + noise(i) (noise keyed by query index i).
-  k_noise = stream_keys(KEY)[1]
+  # The sampler drew token i + 1 of row b from logits[b, i] + noise(b, i): keyed by the
+  # row and the query index, nothing else.
+  s_noise = rng.seed(stream_keys(KEY)[1])
   idx = np.arange(P - 1, P + R - 1)
-  noise = jnp.stack([gaussian_noise(jax.random.fold_in(k_noise, i), (2, 128)) for i in idx],
+  rows = jnp.arange(2, dtype=jnp.int32)
+  noise = jnp.stack([row_noise(s_noise, rows, jnp.full((2,), i, jnp.int32), 128) for i in idx],
                     axis=1)                                               # [B, R, V]
   noisy = logits[:, idx] + 0.5 * noise
   want = token_logprobs(noisy, r.tokens[:, idx + 1], scfg)

@@ -42,7 +42,7 @@ from trm_jax.config import ConfigError
 from trm_jax.models.config import DTYPES
 from trm_jax.rl import objectives, optim
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
-from trm_jax.rollout import CacheConfig, sampler_graphdef, sampling_config
+from trm_jax.rollout import BatchingConfig, CacheConfig, sampler_graphdef, sampling_config
 from trm_jax.rollout.policies import get_policy
 from trm_jax.rollout.types import DENSE
 from trm_jax.rollout.sampler import make_generate, routing_dtype
@@ -243,6 +243,13 @@ def rollout_sampling(c: ml_collections.ConfigDict, mcfg, R: int):
       record_routing=r.routing_replay)
 
 
+def rollout_batching(c: ml_collections.ConfigDict) -> BatchingConfig:
+  """How the training rollouts schedule their rows: rollout.slots decode at once (continuous
+  batching), each problem's rl.group_size rollouts prefilled once."""
+  return BatchingConfig(slots=c.rollout.slots, group_size=c.rl.group_size,
+                        chunk=c.rollout.chunk)
+
+
 def _abstract_prompts(n: int, on: jax.sharding.Mesh, *, P: int) -> tuple:
   """(prompt ids [n, P], lengths [n], key) as step.sample / step.evaluate pass them."""
   rep = NamedSharding(on, PartitionSpec())
@@ -363,7 +370,8 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
                              calls=calls, per=per, loop_trips=loop_trips)
 
   # Disaggregated, the sampler's devices hold only what the program takes.
-  add("rollout", make_generate(roll_graphdef, roll, cache, c.model.attn_impl), roll_mesh,
+  add("rollout", make_generate(roll_graphdef, roll, cache, c.model.attn_impl,
+                               rollout_batching(c)), roll_mesh,
       (nnx.merge_state(roll_params, roll_rest), *prompts(B, roll_mesh)),
       learner_resident if sampler_mesh is None else (), 1, loop_trips=R - 1)
   add("score", score, mesh, (params_a, rest_a, full), learner_resident, 1 + kl)

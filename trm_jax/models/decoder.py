@@ -65,9 +65,11 @@ class Block(nnx.Module):
                router_noise_key: Optional[jax.Array] = None, router_noise_scale: float = 0.0,
                cache: Optional[KVCache] = None, policy: Optional[CachePolicy] = None,
                index: Optional[jax.Array] = None, routing: Optional[jax.Array] = None,
+               router_noise_ids: Optional[jax.Array] = None,
                ) -> Tuple[jax.Array, Optional[KVCache], Optional[Route]]:
     """x [B, T, D] -> (y [B, T, D], cache, Route of an MoE layer or None); `cache`,
-    `policy`, `index` as in `Attention`, `routing` [B, T, k] as in `MoE` (dense: ignored)."""
+    `policy`, `index` as in `Attention`, `routing` [B, T, k] and `router_noise_ids` [B, T] as
+    in `MoE` (dense: ignored)."""
     a, cache = self.attn(self.input_norm(x), positions, vis, impl=attn_impl, cache=cache,
                          policy=policy, index=index)
     h = x + a
@@ -75,7 +77,7 @@ class Block(nnx.Module):
     x = self.post_attn_norm(h)
     if isinstance(self.mlp, MoE):   # the router's arguments reach only a layer that routes
       y, route = self.mlp(x, router_noise_key, router_noise_scale, inference=policy is not None,
-                          routing=routing, with_route=True)
+                          routing=routing, with_route=True, noise_ids=router_noise_ids)
     else:
       y, route = self.mlp(x, inference=policy is not None), None
     return h + y, cache, route
@@ -114,8 +116,9 @@ class Decoder(nnx.Module):
     `model.prefill(tokens [B, P], policy, **forward kwargs) -> (h [B, D], caches)`: the
       forward above, plus each layer's cache from its prompt q/k/v; h is the last index's;
     `model.decode_step(tokens [B, 1], caches, policy, *, positions [B, 1], index,
-      router_noise_key=None, router_noise_scale=0.0) -> (h [B, D], caches)`: one token per
-      row, at array index `index` [] int32, attending over the caches.
+      router_noise_key=None, router_noise_scale=0.0, router_noise_ids=None) -> (h [B, D],
+      caches)`: one token per row, at array index `index` ([] or [B] int32), attending over
+      the caches; `router_noise_ids` [B, 1] name each token in the jitter's hash.
     `h` is final-normed, as `hidden_states`: `model.unembed(h)` gives the next-token logits.
   Pieces for step-by-step analyses: `model.embed(tokens) -> [B, T, D]`; `model.layers[l]` with
   `.input_norm`, `.attn` (`.qkv(x, positions) -> q [B, T, N, H], k, v [B, T, K, H]` with bias,
@@ -150,29 +153,33 @@ class Decoder(nnx.Module):
   def prefill(self, tokens: jax.Array, policy: CachePolicy, *,
               positions: Optional[jax.Array] = None, visibility: Optional[Visibility] = None,
               attn_impl: str = "auto", router_noise_key: Optional[jax.Array] = None,
-              router_noise_scale: float = 0.0, with_routing: bool = False):
-    """tokens [B, P] -> (final-normed hidden state of the last index [B, D], L caches built
-    by `policy`[, Routing of the P prompt tokens]). Left-padded prompts all end at index
-    P - 1, so that state samples the first new token of every row."""
+              router_noise_scale: float = 0.0, router_noise_ids: Optional[jax.Array] = None,
+              with_routing: bool = False):
+    """tokens [B, P] -> (final-normed hidden state of the last index [B, D], L caches (or
+    prompt records) built by `policy`[, Routing of the P prompt tokens]). Left-padded prompts
+    all end at index P - 1, so that state samples the first new token of every row."""
     x, caches, routes = self._blocks(tokens, positions, visibility, attn_impl=attn_impl,
                                      router_noise_key=router_noise_key,
-                                     router_noise_scale=router_noise_scale, policy=policy)
+                                     router_noise_scale=router_noise_scale, policy=policy,
+                                     router_noise_ids=router_noise_ids)
     out = (self.final_norm(x[:, -1]), caches)
     return (*out, routes) if with_routing else out
 
   def decode_step(self, tokens: jax.Array, caches: Sequence[KVCache], policy: CachePolicy, *,
                   positions: jax.Array, index: jax.Array,
                   router_noise_key: Optional[jax.Array] = None,
-                  router_noise_scale: float = 0.0, with_routing: bool = False):
-    """tokens [B, 1] at array index `index` [], RoPE positions [B, 1] ->
-    (final-normed hidden state [B, D], updated caches[, Routing of this token])."""
+                  router_noise_scale: float = 0.0, router_noise_ids: Optional[jax.Array] = None,
+                  with_routing: bool = False):
+    """tokens [B, 1] at array index `index` ([] or [B] int32: one per row), RoPE positions
+    [B, 1] -> (final-normed hidden state [B, D], updated caches[, Routing of this token])."""
     if len(caches) != self.config.num_layers:
       raise ValueError(f"decode_step got {len(caches)} caches, model has "
                        f"{self.config.num_layers} layers")
     x, caches, routes = self._blocks(tokens, positions, None,
                                      router_noise_key=router_noise_key,
                                      router_noise_scale=router_noise_scale, policy=policy,
-                                     caches=caches, index=index)
+                                     caches=caches, index=index,
+                                     router_noise_ids=router_noise_ids)
     # Slice, then norm (as `prefill`): XLA rounds a bf16 norm of [B, 1, D] followed by the
     # slice differently, and the sampler's outputs are kept bitwise.
     out = (self.final_norm(x[:, 0]), caches)
@@ -187,6 +194,7 @@ class Decoder(nnx.Module):
               router_noise_key=None, router_noise_scale: float = 0.0,
               policy: Optional[CachePolicy] = None, caches: Optional[Sequence[KVCache]] = None,
               index=None, routing: Optional[jax.Array] = None,
+              router_noise_ids: Optional[jax.Array] = None,
               ) -> Tuple[jax.Array, Caches, Optional[Routing]]:
     """The layer loop of every forward: embed and blocks -> (residual stream [B, T, D] before
     the final norm, caches (empty without a policy), Routing of the MoE layers or None)."""
@@ -219,7 +227,8 @@ class Decoder(nnx.Module):
         x, cache, route = layer(x, positions, vis, attn_impl=attn_impl,
                                 router_noise_key=router_noise_key,
                                 router_noise_scale=router_noise_scale, policy=policy,
-                                cache=None if caches is None else caches[l], index=index)
+                                cache=None if caches is None else caches[l], index=index,
+                                router_noise_ids=router_noise_ids)
         new_caches.append(cache)
       if route is not None:
         routes.append(route)

@@ -41,12 +41,15 @@ class KVCache:
 class CachePolicy(Protocol):
   """What a cached attention layer asks of whoever owns the cache (builds and evicts it).
 
-  `layer` is the asking layer's index; `index` the array index of the token being decoded
-  (the same for every row). All methods are pure: they return new values.
+  `layer` is the asking layer's index; `index` the array index of the token being decoded:
+  [] int32 (the same for every row) or [B] int32 (one per row: the rollout engine's slots
+  decode rows that started at different times). All methods are pure: they return new values.
   """
 
-  def prefill(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-    """q [B, P, N, H], k/v [B, P, K, H] of the prompt (RoPE applied) -> the layer's cache."""
+  def prefill(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array):
+    """q [B, P, N, H], k/v [B, P, K, H] of the prompt (RoPE applied) -> what the policy keeps
+    of this layer's prompt (a `KVCache`, or the policy's own record of the prompt that it
+    later turns into caches: the rollout engine prefills a group's shared prompt once)."""
     ...
 
   def free_slot(self, layer: int, cache: KVCache, index: jax.Array
@@ -54,7 +57,8 @@ class CachePolicy(Protocol):
     """Where the key at `index` goes: (cache with that slot released, slot).
 
     slot is [] int32 (one slot for every row and head: written with one
-    dynamic_update_slice) or [B, K] int32 (per row and head: a scatter).
+    dynamic_update_slice) or [B, K] int32 (per row and head: a scatter; a slot >= C drops
+    that row's write).
     """
     ...
 
@@ -86,9 +90,10 @@ def write(cache: KVCache, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
   """Writes the key at array index `index` into `slot` (see `CachePolicy.free_slot`).
 
   Args:
-    slot: [] int32 (same slot for all rows and heads) or [B, K] int32.
+    slot: [] int32 (same slot for all rows and heads) or [B, K] int32 (a slot >= C drops the
+      write: rows that are not decoding leave their cache as it is).
     k_new, v_new: [B, K, H].
-    index: [] int32 array index of the new key.
+    index: [] or [B] int32 array index of the new key.
   """
   B, K = cache.pos.shape[:2]
   if jnp.ndim(slot) == 0:
@@ -98,16 +103,19 @@ def write(cache: KVCache, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
     return cache.replace(
         k=_update(cache.k, k_new[:, :, None], dus),
         v=_update(cache.v, v_new[:, :, None], dus),
-        pos=dus(cache.pos, jnp.full((B, K, 1), index, jnp.int32)),
+        pos=dus(cache.pos, jnp.broadcast_to(jnp.asarray(index, jnp.int32), (B, K, 1))),
         score=score)
   b = jnp.arange(B)[:, None]
   h = jnp.arange(K)[None, :]
-  scatter = lambda buf, new: buf.at[b, h, slot].set(new)
+  scatter = lambda buf, new: buf.at[b, h, slot].set(new, mode="drop")
+  index = jnp.asarray(index, jnp.int32)
+  index = index[:, None] if index.ndim == 1 else index
   return cache.replace(
       k=_update(cache.k, k_new, scatter),
       v=_update(cache.v, v_new, scatter),
-      pos=cache.pos.at[b, h, slot].set(jnp.asarray(index).astype(jnp.int32)),
-      score=None if cache.score is None else cache.score.at[b, h, slot].set(0.0))
+      pos=scatter(cache.pos, jnp.broadcast_to(index, (B, K))),
+      score=None if cache.score is None else scatter(cache.score, jnp.zeros((B, K),
+                                                                            jnp.float32)))
 
 
 def attend(q: jax.Array, cache: KVCache, *, scale: Optional[float] = None):
@@ -125,7 +133,7 @@ def attend(q: jax.Array, cache: KVCache, *, scale: Optional[float] = None):
   qg = q.reshape(B, K, G, H)
   logits = jnp.einsum("BKGH,BKCH->BKGC", qg, cache.k,
                       preferred_element_type=jnp.float32) * scale   # [B, K, G, C]
-  # The reference's guarded softmax (a row always sees at least its own key here).
+  # The reference's guarded softmax (a decoding row always sees at least its own key).
   p = guarded_softmax(jnp.where((cache.pos >= 0)[:, :, None, :], logits, -jnp.inf))
   o = jnp.einsum("BKGC,BKCH->BKGH", p.astype(cache.v.dtype), cache.v,
                  preferred_element_type=jnp.float32)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from trm_jax import rng
 from trm_jax import sharding as shd
 from trm_jax.kernels import attention
 from trm_jax.kernels.visibility import LayerVisibility
@@ -202,9 +203,10 @@ class Attention(nnx.Module):
       policy None: attention over x with `vis` (`kernels.attention`); cache None.
       policy, no cache (prefill): the same attention over x, and the layer's cache built by
         `policy.prefill` from this layer's q/k/v.
-      policy and cache (decode, T = 1): the key of array index `index` [] int32 is written
-        where `policy.free_slot` says, the query attends over the cache's filled slots, and
-        `policy.observe` sees the attention probabilities. `vis` is ignored.
+      policy and cache (decode, T = 1): the key of array index `index` ([] or [B] int32) is
+        written where `policy.free_slot` says, the query attends over the cache's slots
+        (empty ones masked), and `policy.observe` sees the attention probabilities. `vis` is
+        ignored.
     """
     if policy is None:
       if cache is not None:
@@ -255,7 +257,8 @@ class MoE(nnx.Module):
   Router jitter (the "MoE router mismatch" knob): with `router_noise_key`, the top-k choice is
   made on router logits plus `router_noise_scale * N(0, 1)`; the key is folded with this
   block's layer index, so the same base key gives independent noise per layer whoever calls
-  the block (learner forward or the rollout engine's decode step). The jitter decides *which*
+  the block (learner forward or the rollout engine's decode step), and each (token, expert)
+  draw is a hash of the token's id (`trm_jax.rng`: the sampler's ids are (row, array index)). The jitter decides *which*
   experts run (the routing flip of the TRM paper, App. A.2); the gates are always the router's
   own probabilities of the experts that run, as under routing replay.
 
@@ -276,8 +279,12 @@ class MoE(nnx.Module):
     self.down_proj = param(rngs, (E, F, D), (shd.EXPERTS, shd.MLP, shd.EMBED), pd)
 
   def route(self, x: jax.Array, router_noise_key: Optional[jax.Array] = None,
-            router_noise_scale: float = 0.0, forced: Optional[jax.Array] = None):
-    """x [M, D] -> (gates [M, k] fp32, experts run [M, k] int32, router's own top-k [M, k])."""
+            router_noise_scale: float = 0.0, forced: Optional[jax.Array] = None,
+            noise_ids: Optional[jax.Array] = None):
+    """x [M, D] -> (gates [M, k] fp32, experts run [M, k] int32, router's own top-k [M, k]).
+
+    noise_ids [M]: each token's id in the jitter's hash (default 0..M-1): the sampler passes
+    (row, array index), so a token's jitter does not depend on the batch computing it."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
     k = cfg.num_experts_per_tok
     logits = jnp.einsum("MD,DE->ME", x, self.router[...].astype(dt)).astype(jnp.float32)
@@ -285,8 +292,11 @@ class MoE(nnx.Module):
     weights, own = jax.lax.top_k(probs, k)                              # [M, k]
     experts = own
     if router_noise_key is not None:
-      key = jax.random.fold_in(router_noise_key, self.layer_idx)
-      noisy = logits + router_noise_scale * jax.random.normal(key, logits.shape, jnp.float32)
+      s = rng.seed(jax.random.fold_in(router_noise_key, self.layer_idx))
+      M, E = logits.shape
+      ids = jnp.arange(M, dtype=jnp.uint32) if noise_ids is None else noise_ids.reshape(M)
+      noisy = logits + router_noise_scale * rng.normal(s, ids[:, None],
+                                                      jax.lax.iota(jnp.uint32, E)[None])
       experts = jax.lax.top_k(noisy, k)[1]
     if forced is not None:
       experts = jnp.where(forced >= 0, forced.astype(jnp.int32), experts)
@@ -298,16 +308,18 @@ class MoE(nnx.Module):
 
   def __call__(self, x: jax.Array, router_noise_key: Optional[jax.Array] = None,
                router_noise_scale: float = 0.0, *, inference: bool = False,
-               routing: Optional[jax.Array] = None, with_route: bool = False):
+               routing: Optional[jax.Array] = None, with_route: bool = False,
+               noise_ids: Optional[jax.Array] = None):
     """x [B, T, D] -> y [B, T, D], or (y, Route) with `with_route`. inference: see
     `project` (cached decoding); routing [B, T, k]: expert ids to replay (< 0 = the router's
-    own choice)."""
+    own choice); noise_ids [B, T]: see `route`."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
     B, T, D = x.shape
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     xf = x.astype(dt).reshape(B * T, D)                                  # [M, D]
     forced = None if routing is None else routing.reshape(B * T, k)
-    weights, experts, own = self.route(xf, router_noise_key, router_noise_scale, forced)
+    weights, experts, own = self.route(xf, router_noise_key, router_noise_scale, forced,
+                                       None if noise_ids is None else noise_ids.reshape(-1))
     flat = experts.reshape(-1)                                           # [M*k]
     order = jnp.argsort(flat, stable=True)                               # sorted by expert
     xs = xf[order // k]                                                  # [M*k, D]

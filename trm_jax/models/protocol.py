@@ -45,14 +45,18 @@ class CausalLM(Protocol):
   def prefill(self, tokens: jax.Array, policy: CachePolicy, *,
               positions: Optional[jax.Array] = None, visibility: Optional[Visibility] = None,
               attn_impl: str = "auto", router_noise_key: Optional[jax.Array] = None,
-              router_noise_scale: float = 0.0, with_routing: bool = False):
-    """tokens [B, P] -> (hidden state of index P - 1 [B, D], L caches built by `policy`
-    [, routing])."""
+              router_noise_scale: float = 0.0, router_noise_ids: Optional[jax.Array] = None,
+              with_routing: bool = False):
+    """tokens [B, P] -> (hidden state of index P - 1 [B, D], L caches or prompt records
+    built by `policy`[, routing]); `router_noise_ids` [B, P] name each token in the router
+    jitter's hash."""
     ...
 
   def decode_step(self, tokens: jax.Array, caches: Sequence[KVCache], policy: CachePolicy, *,
                   positions: jax.Array, index: jax.Array,
                   router_noise_key: Optional[jax.Array] = None,
-                  router_noise_scale: float = 0.0, with_routing: bool = False):
-    """tokens [B, 1] at array index `index` -> (hidden state [B, D], caches[, routing])."""
+                  router_noise_scale: float = 0.0, router_noise_ids: Optional[jax.Array] = None,
+                  with_routing: bool = False):
+    """tokens [B, 1] at array index `index` ([] or [B]) -> (hidden state [B, D], caches
+    [, routing])."""
     ...

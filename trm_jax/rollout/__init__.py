@@ -11,9 +11,10 @@ from trm_jax.rollout.policies import POLICIES, EvictionPolicy, get_policy, regis
 from trm_jax.rollout.sampler import (DecodeState, generate, generate_from_state, run_phase,
                                      sampler_graphdef, sampling_config)
 from trm_jax.rollout.sampling import sampled_logprobs, token_logprobs
-from trm_jax.rollout.types import CacheConfig, Rollout, RolloutStats, SamplingConfig
+from trm_jax.rollout.types import (BatchingConfig, CacheConfig, Rollout, RolloutStats,
+                                   SamplingConfig)
 
-__all__ = ["POLICIES", "CacheConfig", "CacheEviction", "DecodeState", "EvictionPolicy",
+__all__ = ["POLICIES", "BatchingConfig", "CacheConfig", "CacheEviction", "DecodeState", "EvictionPolicy",
            "Rollout", "RolloutStats", "SamplingConfig", "generate", "get_policy",
            "register_policy", "generate_from_state", "num_slots", "run_phase",
            "sampled_logprobs", "sampler_graphdef", "sampling_config", "token_logprobs"]

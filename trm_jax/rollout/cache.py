@@ -82,6 +82,17 @@ def row_budgets(cfg: CacheConfig, prompt_lengths: jax.Array, P: int,
   return jnp.minimum(lens, budget), budget
 
 
+def slot_buckets(C: int, *, block: int = 128, most: int = 8) -> Tuple[int, ...]:
+  """The slot counts the decode loop cuts the caches to: multiples of a block (at least
+  `block` slots, grown so that there are at most `most`), ending at C. A chunk of decode steps
+  runs on the smallest bucket that holds every slot it can fill, so a step reads at most one
+  block (about C / most) more than the filled part: linear in the live length, not the
+  capacity. Each bucket is one branch of the sampler's `lax.switch`, compiled once."""
+  per = -(-C // most)                                   # ceil(C / most)
+  blk = max(block, -(-per // block) * block)            # rounded up to a block
+  return tuple(range(blk, C, blk)) + (C,)
+
+
 # ------------------------------------------------------------------------------ building
 def from_prompt(k: jax.Array, v: jax.Array, keep: jax.Array, score: jax.Array, *,
                 num_prompt_slots: int, num_total_slots: int) -> KVCache:

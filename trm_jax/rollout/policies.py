@@ -39,9 +39,10 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from trm_jax import rng
 from trm_jax.kernels.attention_ref import guarded_softmax
 from trm_jax.models.kv_cache import KVCache
-from trm_jax.rollout.sampling import fmix32
+from trm_jax.registry import Registry
 from trm_jax.rollout.types import RATIO_GRID, CacheConfig
 
 POOLINGS = ("max", "avg")
@@ -66,17 +67,20 @@ class EvictionPolicy:
 
   def priorities(self, cfg: CacheConfig, pos: jax.Array, score: jax.Array, *, step,
                  start: jax.Array, budget: jax.Array, prompt_len: int, layer: int,
-                 rand_key: Optional[jax.Array]) -> Tuple[jax.Array, jax.Array]:
+                 rand_key: Optional[jax.Array], rows: jax.Array
+                 ) -> Tuple[jax.Array, jax.Array]:
     """The ranking keys of held keys: (protected [B, K, S] bool, priority [B, K, S] fp32).
 
     Args:
       pos: [B, K, S] int32 array index of each key (-1 = none).
       score: [B, K, S] fp32 per-key score (`prompt_scores`, then what `observe` kept).
-      step: [] query index about to be served (P right after prefill).
+      step: query index about to be served: [] (P right after prefill) or [B, 1, 1] (one per
+        row during decoding: the engine's slots hold rows at different indices).
       start: [B] array index of each row's first valid token (P - prompt length).
       budget: [B] keys a row may hold.
       prompt_len: static P.
-      layer: the layer's index; rand_key: the sampler's eviction key (`random_priority`).
+      layer: the layer's index; rand_key: the sampler's eviction key and rows [B] the rows'
+        ids in the whole batch (`random_priority`).
     """
     raise NotImplementedError
 
@@ -85,41 +89,35 @@ class EvictionPolicy:
     return cache
 
 
-POLICIES: dict[str, EvictionPolicy] = {}
+POLICIES: Registry[EvictionPolicy] = Registry("cache policy", also=("none",))
 
 
 def register_policy(name: str, policy: EvictionPolicy) -> EvictionPolicy:
   """Adds `policy` under `name` (the value of `rollout.cache.policy` / `CacheConfig.policy`)."""
-  if name in POLICIES or name == "none":
-    raise ValueError(f"cache policy {name!r} is already registered")
-  POLICIES[name] = policy
-  return policy
+  return POLICIES.register(name, policy)
 
 
 def get_policy(name: str) -> EvictionPolicy:
-  if name not in POLICIES:
-    raise ValueError(f"cache policy must be 'none' or one of {sorted(POLICIES)}, got {name!r}")
-  return POLICIES[name]
+  return POLICIES.get(name)
 
 
 # ------------------------------------------------------------------------------ shared parts
-def random_priority(key: jax.Array, layer: int, step, pos: jax.Array) -> jax.Array:
+def random_priority(key: jax.Array, layer: int, step, pos: jax.Array,
+                    rows: Optional[jax.Array] = None) -> jax.Array:
   """Uniform [0, 1) draws [B, K, S] for the keys at array indices pos [B, K, S].
 
-  A hash of (key, layer, step, row, kv head, array index): fresh at every step, and indexed
-  by array position rather than slot, so a re-simulation can reproduce it. A counter hash
-  instead of `jax.random` draws because only the C held keys need a value per step, and
-  threefry per step would dominate compile time of the decode loop.
+  A hash (`trm_jax.rng`) of (key, layer, step, row, kv head, array index): fresh at every
+  step, indexed by array position rather than slot, and by the row's id in the whole batch
+  (`rows` [B], default 0..B-1) rather than its place in the decoding slots, so neither a
+  re-simulation nor continuous batching changes it. `step` is [] or [B, 1, 1] (per row). A
+  counter hash instead of `jax.random` draws because only the C held keys need a value per
+  step, and threefry per step would dominate compile time of the decode loop.
   """
   B, K, S = pos.shape
-  seed = jax.random.bits(key, (), jnp.uint32)
-  row = (jnp.arange(B, dtype=jnp.uint32)[:, None] * jnp.uint32(K)
-         + jnp.arange(K, dtype=jnp.uint32)[None, :])[:, :, None]                  # [B, K, 1]
-  h = fmix32(seed ^ (jnp.uint32(layer) * jnp.uint32(0x9E3779B9)))
-  h = fmix32(h ^ jnp.asarray(step).astype(jnp.uint32))
-  h = fmix32(h ^ row)
-  h = fmix32(h ^ pos.astype(jnp.uint32))
-  return (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+  rows = jnp.arange(B, dtype=jnp.int32) if rows is None else rows
+  head = (rows.astype(jnp.uint32)[:, None] * jnp.uint32(K)
+          + jnp.arange(K, dtype=jnp.uint32)[None, :])[:, :, None]                 # [B, K, 1]
+  return rng.uniform(rng.seed(key), layer, step, head, pos)
 
 
 def masked_probs(q: jax.Array, k: jax.Array, q_idx: jax.Array, valid: jax.Array,
@@ -203,8 +201,8 @@ class Recent(EvictionPolicy):
 
 class Random(EvictionPolicy):
 
-  def priorities(self, cfg, pos, score, *, step, layer, rand_key, **_):
-    return jnp.zeros(pos.shape, bool), random_priority(rand_key, layer, step, pos)
+  def priorities(self, cfg, pos, score, *, step, layer, rand_key, rows, **_):
+    return jnp.zeros(pos.shape, bool), random_priority(rand_key, layer, step, pos, rows)
 
 
 register_policy("snapkv", SnapKV())

@@ -1,13 +1,14 @@
-"""The sampler: jitted prefill plus one `lax.while_loop` decode, with an exact retention record.
+"""The sampler: jitted prefill plus a chunked `lax.while_loop` decode over S slots, with an
+exact retention record.
 
 `generate(model, prompt_ids, prompt_lengths, ...)` splits the NNX model (`nnx.split`) and calls
 one `jax.jit`-compiled pure function that merges it inside (nnx.jit's per-call graph traversal
-is ~15x slower to dispatch). Everything static (sampling and cache configs, the graph) is a
-static argument, so calls with the same bucketed shapes reuse one executable.
+is ~15x slower to dispatch). Everything static (sampling, cache and batching configs, the
+graph) is a static argument, so calls with the same bucketed shapes reuse one executable.
 
-The model's own blocks do the work (`Decoder.prefill`, then `Decoder.decode_step` per token,
-with `eviction.CacheEviction` as the cache policy); this module keeps the loop, the output
-buffers (`DecodeState`) and sampling.
+The model's own blocks do the work (`Decoder.prefill` over the prompts, then
+`Decoder.decode_step` per token, with `eviction.CacheEviction` as the cache policy); this
+module keeps the loop, the slots, the output buffers (`Outputs`) and sampling.
 
 Indexing. Prompts are left-padded to the bucket P; R new tokens follow, T = P + R. All rows
 share array indices: the prompt ends at P - 1, token P is sampled from the prefill's last
@@ -16,27 +17,46 @@ position of index i in row b is i - (P - len_b), which is what `Decoder`'s defau
 give the learner for `segment_ids` = 1 on valid tokens. `evicted_at` uses the same array
 indices.
 
+Scheduling (`BatchingConfig`). Rows [g*G, (g+1)*G) share a prompt (GRPO's group): the prefill
+runs once per group (U = B / G prompts) and keeps each prompt's keys, values and policy scores
+(`eviction.PromptKV`). S slots decode at once (S = B by default); each slot holds one row at
+its own array index. Loading a row into a slot copies its prompt's KV (the policy's per-row
+selection: random eviction differs row by row) and samples its first token. The loop runs in
+chunks of `chunk` steps; between chunks, once `refill` slots are free (their rows hit EOS or
+T - 1), the next rows are loaded, on device. A chunk runs on the caches cut to the smallest
+`cache.slot_buckets` size holding every slot it can fill (one compiled branch per size), so a
+step reads the live part of the cache, not its capacity. Rows that finished mid-chunk, or
+slots with no row left, idle: their writes drop and their cache stays as it was.
+
+A row's draws are its own: the uniform of its token at index i + 1, the logit noise there,
+the router jitter of its token i and its random-eviction draws hash (key, row, index)
+(`trm_jax.rng`), so S, G, the chunking and the other rows never change what a row samples
+(up to fp32 rounding of batch-size-dependent matmuls: tests/test_rollout_slots.py). A group's
+shared prompt has one router jitter, keyed by the group's first row.
+
 Exactness. Prefill attention uses the whole prompt (`kernels.attention`, as the model does);
-compression happens after it, so dropped prompt keys get evicted_at = P. During decoding, query
-i attends exactly the keys held after `eviction.evict` + `kv_cache.write`, i.e. the keys j <= i
-with evicted_at[j] > i: the learner's `model(tokens, visibility=Visibility(segment_ids,
-evicted_at))` replays the same attention. Rows that finished keep running (static shapes);
-their later tokens are pad_id with segment id 0, invisible to the learner.
+compression happens when a row is loaded, so dropped prompt keys get evicted_at = P. During
+decoding, query i attends exactly the keys held after `eviction.evict` + `kv_cache.write`,
+i.e. the keys j <= i with evicted_at[j] > i: the learner's `model(tokens,
+visibility=Visibility(segment_ids, evicted_at))` replays the same attention. Tokens after EOS
+are pad_id with segment id 0, invisible to the learner.
 
 Mismatch knobs (rollout != learner, for TRM experiments): `compute_dtype` (e.g. bf16 sampling
 of an fp32 model), `logit_noise`, `router_noise_scale` (MoE layers), and stale parameters:
 pass the stale model (or its state to `generate_from_state`). Logit noise for the token at
-index i + 1 is `logit_noise * sampling.gaussian_noise(fold_in(stream_keys(key)[1], i), (B, V))`,
-so a test or an analysis can replay it.
+index i + 1 of row b is `logit_noise * sampling.row_noise(rng.seed(stream_keys(key)[1]), b, i,
+V)`, so a test or an analysis can replay it.
 
-Costs worth knowing: H2O's prefill scores materialise the prompt's [B, K, G, P, P] attention
+Costs worth knowing: H2O's prefill scores materialise the prompt's [U, K, G, P, P] attention
 probabilities once (the column sums are what H2O accumulates); SnapKV only needs the window's
-[B, K, G, W, P]. Decode attention reads all C slots every step (empty ones masked), so the
-dense cache costs P + R - 1 slots per step from the first step on.
+[U, K, G, W, P]. The prompt records hold every group's prompt KV for the whole call
+([U, P, K, H] per layer). A decode step reads the cache's live bucket: about max_i(i) + 1
+slots for the dense cache, Cp + (i - P) + 1 (at most C) for the compressed ones.
 
-Where a decode step's time goes (`python -m bench.decode_profile`, bench model: Qwen3 4 layers,
-d 512, vocab 32000; batch 8, prompt 128, 128 new tokens, dense cache; quiet 2-core CPU; summed
-thunk times, ms per step; bench/results/decode_profile.json):
+Where a decode step's time went, measured before the slots and buckets above existed
+(`python -m bench.decode_profile`, bench model: Qwen3 4 layers, d 512, vocab 32000; batch 8,
+prompt 128, 128 new tokens, dense cache; quiet 2-core CPU; summed thunk times, ms per step;
+bench/results/decode_profile.json):
 
                         fp32 before  fp32 after   bf16 before  bf16 after
   Gumbel noise, PRNG       2.55        0.01          2.52        0.01
@@ -68,30 +88,52 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from trm_jax.kernels.visibility import Visibility
+from trm_jax import rng
+from trm_jax.kernels.visibility import NEVER_EVICTED, Visibility
 from trm_jax.models.kv_cache import KVCache
 from trm_jax.models.protocol import CausalLM
 from trm_jax.rollout import cache as kv
 from trm_jax.rollout import eviction, sampling
-from trm_jax.rollout.types import CacheConfig, Rollout, RolloutStats, SamplingConfig
+from trm_jax.rollout.types import (BatchingConfig, CacheConfig, Rollout, RolloutStats,
+                                   SamplingConfig)
 
 
 @struct.dataclass
-class DecodeState:
-  """The decode loop's carry, and what `run_phase("prefill")` returns. T = P + R."""
-  index: jax.Array               # [] int32 next query i: feeds tokens[:, i], samples i + 1
+class Outputs:
+  """The rollout being written, in rows of the whole batch (T = P + R)."""
   tokens: jax.Array              # [B, T] int32 prompt, sampled tokens, pad_id elsewhere
   logp: jax.Array                # [B, T] fp32 log-prob of each sampled token, 0 elsewhere
   entropy: jax.Array             # [B, T] fp32 entropy of each sampled distribution
   mask: jax.Array                # [B, T] int32 1 on generated tokens up to and including EOS
   done: jax.Array                # [B] bool the row emitted an EOS
-  caches: Tuple[KVCache, ...]    # L caches: k, v [B, K, C, H]; pos, score [B, K, C];
-                                 #   evicted_at [B, K, T]
+  evicted_at: jax.Array          # [B, L, K, T] int32 retention records (written when a row's
+                                 #   slot is refilled or the loop ends)
   topk_logp: Optional[jax.Array] = None  # [B, T, k] fp32 (keep_topk_logprobs)
   topk_ids: Optional[jax.Array] = None   # [B, T, k] int32
   full_logp: Optional[jax.Array] = None  # [B, T, V] fp32 (keep_full_logprobs)
   routed: Optional[jax.Array] = None     # [B, L_moe, T, k] expert ids (record_routing);
                                          #   -1 where no token was fed (the last index)
+
+
+@struct.dataclass
+class DecodeState:
+  """The decode loop's carry, and what `run_phase("prefill")` returns. S decoding slots."""
+  steps: jax.Array               # [] int32 decode steps run
+  next_row: jax.Array            # [] int32 the next row to load into a free slot
+  row: jax.Array                 # [S] int32 the row each slot holds (B: none)
+  index: jax.Array               # [S] int32 next query i of each slot: feeds token i of its
+                                 #   row, samples i + 1
+  tok: jax.Array                 # [S] int32 the token at `index`
+  active: jax.Array              # [S] bool the slot is decoding (else finished or empty)
+  start: jax.Array               # [S] int32 array index of its row's first valid token
+  keep: jax.Array                # [S] int32 prompt keys its row keeps after prefill
+  budget: jax.Array              # [S] int32 most keys its row may hold at once
+  caches: Tuple[KVCache, ...]    # L caches: k, v [S, K, C, H]; pos, score [S, K, C];
+                                 #   evicted_at [S, K, T]
+  prompts: Tuple[eviction.PromptKV, ...]  # L records of the U prefilled prompts
+  h_prompt: jax.Array            # [U, D] final-normed hidden state of each prompt's last index
+  out: Outputs
+  routed_prompt: Optional[jax.Array] = None  # [U, L_moe, P, k] the prompts' expert choices
 
 
 def routing_dtype(num_experts: int):
@@ -109,7 +151,8 @@ def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax
              pad_id: Optional[int] = None, cache: CacheConfig = CacheConfig(),
              keep_topk_logprobs: int = 0, keep_full_logprobs: bool = False,
              compute_dtype=None, logit_noise: float = 0.0, router_noise_scale: float = 0.0,
-             record_routing: bool = False, attn_impl: str = "auto") -> Rollout:
+             record_routing: bool = False, attn_impl: str = "auto", slots: int = 0,
+             group_size: int = 1, chunk: int = 16, refill: int = 0) -> Rollout:
   """Samples `max_new_tokens` continuations of left-padded prompts.
 
   Args:
@@ -131,6 +174,11 @@ def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax
       MoE layer ran for every prompt and sampled token (with jitter, the jittered choice),
       for routing replay in the learner (`model(tokens, routing=...)`).
     attn_impl: prefill attention implementation (`kernels.attention`).
+    slots, group_size, chunk, refill: continuous batching and shared prompts
+      (`BatchingConfig`):
+      S = slots rows decode at once (0 = all), rows [g*G, (g+1)*G) share one prompt,
+      prefilled once. Every draw of a row is keyed by (key, row, array index), so neither
+      changes what a row samples.
   Returns:
     `Rollout`.
   """
@@ -143,7 +191,9 @@ def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax
   graphdef, state = nnx.split(model)
   return generate_from_state(sampler_graphdef(model, compute_dtype), state, prompt_ids,
                              prompt_lengths, key=key, sampling_config=scfg, cache_config=cache,
-                             attn_impl=attn_impl)
+                             attn_impl=attn_impl, batching=BatchingConfig(
+                                 slots=slots, group_size=group_size, chunk=chunk,
+                                 refill=refill))
 
 
 def sampling_config(model_config, *, eos_ids: Optional[Sequence[int]] = None,
@@ -170,20 +220,25 @@ def sampler_graphdef(model, compute_dtype=None) -> nnx.GraphDef:
 def generate_from_state(graphdef, state, prompt_ids, prompt_lengths, *, key: jax.Array,
                         sampling_config: SamplingConfig,
                         cache_config: CacheConfig = CacheConfig(),
-                        attn_impl: str = "auto") -> Rollout:
+                        attn_impl: str = "auto",
+                        batching: BatchingConfig = BatchingConfig()) -> Rollout:
   """`generate` for callers that already hold the model's graph and state (training loops).
 
   `graphdef` from `sampler_graphdef`, `state` the model's whole state (`nnx.split(model)[1]`,
   or `nnx.merge_state(params, rest)`), `sampling_config` from `sampling_config`.
   """
-  prompt_ids, prompt_lengths = check_prompts(prompt_ids, prompt_lengths)
+  prompt_ids, prompt_lengths = check_prompts(prompt_ids, prompt_lengths,
+                                             group_size=batching.group_size)
   return _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key,
-                       scfg=sampling_config, ccfg=cache_config, attn_impl=attn_impl)
+                       scfg=sampling_config, ccfg=cache_config, bcfg=batching,
+                       attn_impl=attn_impl)
 
 
-def check_prompts(prompt_ids, prompt_lengths) -> tuple[jax.Array, jax.Array]:
+def check_prompts(prompt_ids, prompt_lengths, *, group_size: int = 1
+                  ) -> tuple[jax.Array, jax.Array]:
   """(prompt_ids, prompt_lengths) as int32 arrays, after checking their shapes and, for
-  concrete lengths, that each is in [1, P]; a ValueError names what is wrong."""
+  concrete values, that each length is in [1, P] and that the rows of each group of
+  `group_size` share their prompt; a ValueError names what is wrong."""
   prompt_ids = jnp.asarray(prompt_ids)
   # Host lengths stay on the host (numpy): a jitted program places them with its other
   # inputs, where a device array made here would be committed to one device.
@@ -200,21 +255,35 @@ def check_prompts(prompt_ids, prompt_lengths) -> tuple[jax.Array, jax.Array]:
     if lens.min() < 1 or lens.max() > P:
       raise ValueError(f"prompt_lengths must be in [1, P={P}], got min {lens.min()} "
                        f"max {lens.max()}")
+  if B % group_size:
+    raise ValueError(f"{B} prompt rows are not a multiple of group_size={group_size}")
+  if group_size > 1 and not isinstance(prompt_ids, jax.core.Tracer) and not isinstance(
+      prompt_lengths, jax.core.Tracer):
+    ids = np.asarray(prompt_ids).reshape(B // group_size, group_size, P)
+    lens = np.asarray(prompt_lengths).reshape(B // group_size, group_size)
+    bad = np.flatnonzero(~((ids == ids[:, :1]).all(axis=(1, 2)) & (lens == lens[:, :1]).all(1)))
+    if bad.size:
+      g = int(bad[0])
+      raise ValueError(f"group_size={group_size}: rows {g * group_size}..{(g + 1) * group_size - 1}"
+                       f" (group {g}) do not share one prompt; a group's rows are prefilled "
+                       f"once and must be identical")
   return prompt_ids.astype(jnp.int32), prompt_lengths.astype(jnp.int32)
 
 
 def make_generate(graphdef, sampling_config: SamplingConfig,
-                  cache_config: CacheConfig = CacheConfig(), attn_impl: str = "auto"):
+                  cache_config: CacheConfig = CacheConfig(), attn_impl: str = "auto",
+                  batching: BatchingConfig = BatchingConfig()):
   """jit(state, prompt_ids, prompt_lengths, key) -> Rollout: `generate_from_state` with its
   static settings bound, as one jitted program (`.lower(...)` compiles it ahead of time).
   Its inputs are not checked: pass them through `check_prompts` first."""
   return jax.jit(functools.partial(_generate_jit, graphdef, scfg=sampling_config,
-                                   ccfg=cache_config, attn_impl=attn_impl))
+                                   ccfg=cache_config, bcfg=batching, attn_impl=attn_impl))
 
 
 def stream_keys(key: jax.Array):
   """The independent PRNG streams of one `generate` call: (sample, logit noise, router noise,
-  random eviction). Each is folded with the query index that uses it."""
+  random eviction). Each draw hashes its stream's key with the row and array index that use
+  it (`trm_jax.rng`)."""
   return tuple(jax.random.split(key, 4))
 
 
@@ -227,7 +296,8 @@ def _graphdef_with_dtype(cls, config, dtype_name: str):
 
 def run_phase(phase: str, graphdef, state, prompt_ids, prompt_lengths, *, key: jax.Array,
               sampling_config: SamplingConfig, cache_config: CacheConfig = CacheConfig(),
-              carry=None, attn_impl: str = "auto"):
+              carry=None, attn_impl: str = "auto",
+              batching: BatchingConfig = BatchingConfig()):
   """The two phases of `generate` as separately jitted programs (`_prefill_jit`,
   `_decode_jit`), e.g. to time the decode loop on its own (bench/).
 
@@ -242,9 +312,10 @@ def run_phase(phase: str, graphdef, state, prompt_ids, prompt_lengths, *, key: j
   if carry is not None and not isinstance(carry, DecodeState):
     raise ValueError(f"carry must be the DecodeState of run_phase('prefill'), got "
                      f"{type(carry).__name__}")
-  args = (graphdef, state, jnp.asarray(prompt_ids, jnp.int32),
-          jnp.asarray(prompt_lengths, jnp.int32), key)
-  static = dict(scfg=sampling_config, ccfg=cache_config, attn_impl=attn_impl)
+  prompt_ids, prompt_lengths = check_prompts(prompt_ids, prompt_lengths,
+                                             group_size=batching.group_size)
+  args = (graphdef, state, prompt_ids, prompt_lengths, key)
+  static = dict(scfg=sampling_config, ccfg=cache_config, bcfg=batching, attn_impl=attn_impl)
   if phase == "prefill":
     return _prefill_jit(*args, **static)
   return _decode_jit(*args, carry, **static)
@@ -255,168 +326,312 @@ class _Call:
   """What both phases of one generate call derive from its inputs (traced arrays)."""
   model: CausalLM
   scfg: SamplingConfig
-  policy: eviction.CacheEviction   # the cache policy of every layer
+  bcfg: BatchingConfig
+  policy: eviction.CacheEviction   # the cache policy of every layer (slot arrays unset)
+  S: int                           # decoding slots
+  refill: int                      # load rows once this many slots are free
   start: jax.Array                 # [B] int32 array index of each row's first valid token
   valid: jax.Array                 # [B, P] bool non-padding prompt positions
-  k_sample: jax.Array              # the sampling, logit-noise and router-noise streams
-  k_noise: jax.Array
-  k_router: jax.Array
+  keep: jax.Array                  # [B] int32 prompt keys kept after prefill
+  budget: jax.Array                # [B] int32 most keys a row may hold
+  s_sample: jax.Array              # [2] uint32 seeds of the sampling and logit-noise streams
+  s_noise: jax.Array
+  k_router: jax.Array              # the router-noise key (MoE layers hash it with token ids)
 
-  def router_noise(self, step) -> dict:
-    """The MoE router jitter of query `step` (a fresh key per query index)."""
+  @property
+  def shape(self) -> Tuple[int, int, int]:
+    """(B, P, T)."""
+    B, P = self.valid.shape
+    return B, P, P + self.scfg.max_new_tokens
+
+  def router_noise(self, ids) -> dict:
+    """The MoE router jitter of the tokens ids [., .] (row * T + array index)."""
     if self.scfg.router_noise_scale > 0:
-      return dict(router_noise_key=jax.random.fold_in(self.k_router, step),
-                  router_noise_scale=self.scfg.router_noise_scale)
+      return dict(router_noise_key=self.k_router,
+                  router_noise_scale=self.scfg.router_noise_scale,
+                  router_noise_ids=ids.astype(jnp.uint32))
     return {}
 
-  def next_token(self, h, step):
-    """h [B, D] final-normed hidden state of query `step` -> (tokens, logp, dist, entropy)
-    for index step + 1."""
+  def next_token(self, h, rows, index):
+    """h [S, D] final-normed hidden state of query index [S] of rows [S] -> (tokens, logp,
+    dist, entropy) for index + 1, drawn with that row's own (row, index) uniform and noise."""
     with jax.named_scope("unembed"):
-      logits = self.model.unembed(h)                                  # [B, V] fp32
+      logits = self.model.unembed(h)                                  # [S, V] fp32
     if self.scfg.logit_noise > 0:
-      logits = logits + self.scfg.logit_noise * sampling.gaussian_noise(
-          jax.random.fold_in(self.k_noise, step), logits.shape)
-    return sampling.draw(jax.random.fold_in(self.k_sample, step), logits, self.scfg)
+      logits = logits + self.scfg.logit_noise * sampling.row_noise(
+          self.s_noise, rows, index, logits.shape[-1])
+    return sampling.draw(logits, self.scfg, rng.uniform(self.s_sample, rows, index))
 
 
 def _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg: SamplingConfig,
-          ccfg: CacheConfig) -> _Call:
+          ccfg: CacheConfig, bcfg: BatchingConfig) -> _Call:
   model: CausalLM = nnx.merge(graphdef, state)
-  P = prompt_ids.shape[1]
+  B, P = prompt_ids.shape
   R = scfg.max_new_tokens
+  S, refill = bcfg.sizes(B)
   k_sample, k_noise, k_router, k_evict = stream_keys(key)
   start = P - prompt_lengths                                          # [B]
   valid = jnp.arange(P, dtype=jnp.int32)[None, :] >= start[:, None]   # [B, P]
   keep, budget = kv.row_budgets(ccfg, prompt_lengths, P, R)           # [B], [B]
-  policy = eviction.CacheEviction(ccfg, valid=valid, start=start, keep=keep, budget=budget,
-                                  length=P + R, prompt_slots=kv.prompt_slots(ccfg, P, R),
+  policy = eviction.CacheEviction(ccfg, length=P + R, prompt_len=P,
+                                  prompt_slots=kv.prompt_slots(ccfg, P, R),
                                   total_slots=kv.num_slots(ccfg, P, R), rand_key=k_evict)
-  return _Call(model=model, scfg=scfg, policy=policy, start=start, valid=valid,
-               k_sample=k_sample, k_noise=k_noise, k_router=k_router)
+  return _Call(model=model, scfg=scfg, bcfg=bcfg, policy=policy, S=S, refill=refill,
+               start=start, valid=valid, keep=keep, budget=budget,
+               s_sample=rng.seed(k_sample), s_noise=rng.seed(k_noise), k_router=k_router)
 
 
 def _prefill(g: _Call, prompt_ids, attn_impl: str) -> DecodeState:
-  """The blocks over the whole prompt, each layer's cache from its q/k/v, and the first
-  sampled token (index P): the decode loop's initial state."""
+  """The blocks over each group's prompt once (U = B / G prompts), the empty slots, and the
+  first S rows loaded into them: the decode loop's initial state."""
   model, scfg = g.model, g.scfg
-  B, P = prompt_ids.shape
-  R = scfg.max_new_tokens
-  T = P + R
+  B, P, T = g.shape
+  R, G, S = scfg.max_new_tokens, g.bcfg.group_size, g.S
+  cfg = model.config
   idx = jnp.arange(P, dtype=jnp.int32)
-  h, caches, routing = model.prefill(
-      prompt_ids, g.policy, positions=jnp.maximum(idx[None, :] - g.start[:, None], 0),
-      visibility=Visibility(segment_ids=g.valid.astype(jnp.int32)), attn_impl=attn_impl,
-      with_routing=True, **g.router_noise(P - 1))
-  routed = None
+  start_u, valid_u = g.start[::G], g.valid[::G]                     # [U], [U, P]
+  rows_u = jnp.arange(B // G, dtype=jnp.int32) * G                  # each group's first row
+  h, records, routing = model.prefill(
+      prompt_ids[::G], eviction.PromptRecorder(g.policy.cfg, valid_u),
+      positions=jnp.maximum(idx[None, :] - start_u[:, None], 0),
+      visibility=Visibility(segment_ids=valid_u.astype(jnp.int32)), attn_impl=attn_impl,
+      with_routing=True, **g.router_noise(rows_u[:, None] * T + idx[None, :]))
+  routed_prompt = routed = None
   if scfg.record_routing:
     if routing is None:
       raise ValueError("record_routing=True needs a model with MoE layers; this "
-                       f"{model.config.model_type} model has none")
-    rdt = routing_dtype(model.config.num_experts)
-    routed = jnp.concatenate([routing.chosen.astype(rdt), jnp.full(
-        routing.chosen.shape[:2] + (R,) + routing.chosen.shape[3:], -1, rdt)], axis=2)
+                       f"{cfg.model_type} model has none")
+    rdt = routing_dtype(cfg.num_experts)
+    routed_prompt = routing.chosen.astype(rdt)                     # [U, L_moe, P, k]
+    routed = jnp.full((B, routed_prompt.shape[1], T, routed_prompt.shape[3]), -1, rdt)
+  L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  C = g.policy.total_slots
   zeros = jnp.zeros((B, T), jnp.float32)
   kk = scfg.keep_topk_logprobs
-  V = model.config.vocab_size
-  s = DecodeState(
-      index=jnp.int32(P),
+  out = Outputs(
       tokens=jnp.concatenate([prompt_ids, jnp.full((B, R), scfg.pad_id, jnp.int32)], axis=1),
       logp=zeros, entropy=zeros, mask=jnp.zeros((B, T), jnp.int32),
-      done=jnp.zeros((B,), bool), caches=caches,
+      done=jnp.zeros((B,), bool),
+      evicted_at=jnp.full((B, L, K, T), NEVER_EVICTED, jnp.int32),
       topk_logp=jnp.zeros((B, T, kk), jnp.float32) if kk else None,
       topk_ids=jnp.zeros((B, T, kk), jnp.int32) if kk else None,
-      full_logp=jnp.zeros((B, T, V), jnp.float32) if scfg.keep_full_logprobs else None,
+      full_logp=(jnp.zeros((B, T, cfg.vocab_size), jnp.float32) if scfg.keep_full_logprobs
+                 else None),
       routed=routed)
-  return _record(s, P, *g.next_token(h, P - 1), scfg)
+  policy = g.policy.cfg.eviction_policy
+  keeps_score = policy is not None and policy.keeps_score
+  kv_dtype = records[0].k.dtype
+  empty = KVCache(k=jnp.zeros((S, K, C, H), kv_dtype), v=jnp.zeros((S, K, C, H), kv_dtype),
+                  pos=jnp.full((S, K, C), -1, jnp.int32),
+                  score=jnp.zeros((S, K, C), jnp.float32) if keeps_score else None,
+                  evicted_at=jnp.full((S, K, T), NEVER_EVICTED, jnp.int32))
+  none = jnp.zeros((S,), jnp.int32)
+  s = DecodeState(steps=jnp.int32(0), next_row=jnp.int32(0), row=jnp.full((S,), B, jnp.int32),
+                  index=jnp.full((S,), P, jnp.int32), tok=none, active=jnp.zeros((S,), bool),
+                  start=none, keep=none, budget=none, caches=(empty,) * L,
+                  prompts=tuple(records), h_prompt=h, out=out, routed_prompt=routed_prompt)
+  return _load(g, s)
+
+
+def _flush(g: _Call, s: DecodeState, which: jax.Array) -> DecodeState:
+  """Copies the retention records of the rows held by slots `which` [S] into the output."""
+  B = g.shape[0]
+  rows = jnp.where(which, s.row, B)                                # B: dropped
+  ev = jnp.stack([c.evicted_at for c in s.caches], axis=1)          # [S, L, K, T]
+  return s.replace(out=s.out.replace(
+      evicted_at=s.out.evicted_at.at[rows].set(ev, mode="drop")))
+
+
+def _load(g: _Call, s: DecodeState) -> DecodeState:
+  """Fills the slots that are not decoding with the next rows (in row order): each slot's
+  cache from its row's prompt record (the policy's per-row prompt selection), and the row's
+  first token (index P), sampled from the prompt's last hidden state with the row's own draw.
+  The finished rows those slots held are flushed first."""
+  model, scfg = g.model, g.scfg
+  B, P, T = g.shape
+  G = g.bcfg.group_size
+  free = ~s.active
+  s = _flush(g, s, free)
+  new = s.next_row + jnp.cumsum(free.astype(jnp.int32)) - 1          # [S]
+  take = free & (new < B)
+  r = jnp.minimum(jnp.where(take, new, 0), B - 1)
+  u = r // G
+  pol = g.policy.with_slots(rows=r, start=g.start[r], keep=g.keep[r], budget=g.budget[r],
+                            active=take)
+  caches = tuple(_merge(c, pol.load(l, rec, u, g.valid[r]), take)
+                 for l, (c, rec) in enumerate(zip(s.caches, s.prompts)))
+  query = jnp.full(r.shape, P - 1, jnp.int32)
+  tok, logp, dist, ent = g.next_token(s.h_prompt[u], r, query)
+  rows = jnp.where(take, r, B)
+  out = _record(s.out, rows, query + 1, tok, logp, dist, ent, scfg)
+  if s.routed_prompt is not None:
+    out = out.replace(routed=out.routed.at[rows, :, :P].set(s.routed_prompt[u], mode="drop"))
+  first_done = _is_eos(tok, scfg.eos_ids) | (P >= T - 1)   # R = 1: the first token is the last
+  pick = lambda new, old: jnp.where(take, new, old)
+  return s.replace(
+      next_row=s.next_row + jnp.sum(take, dtype=jnp.int32),
+      row=jnp.where(take, r, jnp.where(free, B, s.row)),
+      index=pick(P, s.index), tok=pick(tok, s.tok),
+      active=jnp.where(free, take & ~first_done, s.active),
+      start=pick(pol.start, s.start), keep=pick(pol.keep, s.keep),
+      budget=pick(pol.budget, s.budget), caches=caches, out=out)
+
+
+def _merge(cache: KVCache, new: KVCache, take: jax.Array) -> KVCache:
+  """cache with the slots `take` [S] restarted from `new` (their first Cp slots and their
+  retention record; the other slots emptied: pos -1)."""
+  Cp, C = new.pos.shape[-1], cache.pos.shape[-1]
+  t3, t4 = take[:, None, None], take[:, None, None, None]
+  head = lambda buf, val: buf.at[:, :, :Cp].set(jnp.where(t4, val, buf[:, :, :Cp]))
+  pos = jnp.concatenate([new.pos, jnp.full(new.pos.shape[:2] + (C - Cp,), -1, jnp.int32)], -1)
+  score = None
+  if cache.score is not None:
+    sc = jnp.pad(new.score, ((0, 0), (0, 0), (0, C - Cp)))
+    score = jnp.where(t3, sc, cache.score)
+  return cache.replace(k=head(cache.k, new.k), v=head(cache.v, new.v),
+                       pos=jnp.where(t3, pos, cache.pos), score=score,
+                       evicted_at=jnp.where(t3, new.evicted_at, cache.evicted_at))
+
+
+def _run_chunk(g: _Call, n: int, s: DecodeState) -> DecodeState:
+  """Up to `bcfg.chunk` decode steps (fewer when no slot is decoding) on the first n slots
+  of every cache: they are copied out once, read and written by every step (a step's
+  attention reads n slots, not C), and copied back."""
+  model, scfg = g.model, g.scfg
+  B, P, T = g.shape
+  C = g.policy.total_slots
+  cut = lambda c: c if n == C else c.replace(
+      k=c.k[:, :, :n], v=c.v[:, :, :n], pos=c.pos[:, :, :n],
+      score=None if c.score is None else c.score[:, :, :n])
+  full = s.caches
+  policy = dataclasses.replace(g.policy, total_slots=n)
+
+  def step(carry):
+    j, s = carry
+    i = s.index
+    r = jnp.minimum(s.row, B - 1)
+    pol = policy.with_slots(rows=r, start=s.start, keep=s.keep, budget=s.budget,
+                            active=s.active)
+    h, caches, routing = model.decode_step(
+        s.tok[:, None], s.caches, pol, positions=(i - s.start)[:, None], index=i,
+        with_routing=True, **g.router_noise((r * T + i)[:, None]))
+    rows = jnp.where(s.active, s.row, B)                               # B: dropped
+    out = s.out
+    if scfg.record_routing:   # the experts token i ran through, in every MoE layer
+      out = out.replace(routed=out.routed.at[rows, :, i].set(
+          routing.chosen[:, :, 0].astype(out.routed.dtype), mode="drop"))
+    tok, logp, dist, ent = g.next_token(h, r, i)
+    out = _record(out, rows, i + 1, tok, logp, dist, ent, scfg)
+    finished = s.active & (_is_eos(tok, scfg.eos_ids) | (i + 1 >= T - 1))
+    return j + 1, s.replace(steps=s.steps + 1, index=jnp.where(s.active, i + 1, i),
+                            tok=jnp.where(s.active, tok, s.tok),
+                            active=s.active & ~finished, caches=caches, out=out)
+
+  _, s = jax.lax.while_loop(lambda c: (c[0] < g.bcfg.chunk) & jnp.any(c[1].active), step,
+                            (jnp.int32(0), s.replace(caches=tuple(cut(c) for c in full))))
+  if n == C:
+    return s
+  back = lambda buf, part: buf.at[:, :, :n].set(part)
+  return s.replace(caches=tuple(
+      f.replace(k=back(f.k, c.k), v=back(f.v, c.v), pos=back(f.pos, c.pos),
+                score=None if f.score is None else back(f.score, c.score),
+                evicted_at=c.evicted_at)
+      for f, c in zip(full, s.caches)))
 
 
 def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
-  """The decode loop from `s`: query i feeds token i and samples token i + 1, until every
-  row has finished or T - 1 is reached; the `Rollout` with its retention record."""
-  model, scfg = g.model, g.scfg
-  B, P = g.valid.shape
-  T = P + scfg.max_new_tokens
+  """The decode loop from `s`, in chunks of `bcfg.chunk` steps: every decoding slot's query i
+  feeds its row's token i and samples token i + 1; a row finishes at EOS or index T - 1.
+  Between chunks, free slots are refilled with the next rows (once `g.refill` of them are
+  free), and each chunk runs on the caches cut to the smallest bucket (`cache.slot_buckets`)
+  that holds every slot it can fill. Returns the `Rollout`."""
+  scfg = g.scfg
+  B, P, T = g.shape
+  buckets = kv.slot_buckets(g.policy.total_slots, block=g.bcfg.bucket)
+  chunks = [functools.partial(_run_chunk, g, n) for n in buckets]
 
   def cond(s: DecodeState):
-    return (s.index < T - 1) & ~jnp.all(s.done)
+    # At most B * R steps: each step advances at least one row (a bound against bugs).
+    return ((jnp.any(s.active) | (s.next_row < B))
+            & (s.steps < B * scfg.max_new_tokens))
 
   def body(s: DecodeState) -> DecodeState:
-    i = s.index
-    h, caches, routing = model.decode_step(
-        jax.lax.dynamic_slice_in_dim(s.tokens, i, 1, axis=1), s.caches, g.policy,
-        positions=(i - g.start)[:, None], index=i, with_routing=True, **g.router_noise(i))
-    if scfg.record_routing:   # the experts token i ran through, in every MoE layer
-      s = s.replace(routed=jax.lax.dynamic_update_slice_in_dim(
-          s.routed, routing.chosen.astype(s.routed.dtype), i, axis=2))
-    s = _record(s.replace(caches=caches), i + 1, *g.next_token(h, i), scfg)
-    return s.replace(index=i + 1)
+    if len(buckets) == 1:
+      s = chunks[0](s)
+    else:
+      pol = g.policy.with_slots(active=s.active)
+      need = pol.filled_bound(s.index + g.bcfg.chunk - 1)
+      which = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), need),
+                          len(buckets) - 1)
+      s = jax.lax.switch(which, chunks, s)
+    if g.S == B:
+      return s                                  # every row was loaded at the start
+    n_free = jnp.sum(~s.active, dtype=jnp.int32)
+    due = (s.next_row < B) & (n_free >= jnp.minimum(g.refill, B - s.next_row))
+    return jax.lax.cond(due, functools.partial(_load, g), lambda s: s, s)
 
-  s = jax.lax.while_loop(cond, body, s)
-
+  s = _flush(g, jax.lax.while_loop(cond, body, s), jnp.ones((g.S,), bool))
+  out = s.out
   return Rollout(
-      tokens=s.tokens,
-      segment_ids=jnp.concatenate([g.valid.astype(jnp.int32), s.mask[:, P:]], axis=1),
+      tokens=out.tokens,
+      segment_ids=jnp.concatenate([g.valid.astype(jnp.int32), out.mask[:, P:]], axis=1),
       prompt_lengths=prompt_lengths,
-      response_lengths=jnp.sum(s.mask, axis=1).astype(jnp.int32),
-      response_mask=s.mask,
-      logp=s.logp,
-      evicted_at=jnp.stack([c.evicted_at for c in s.caches], axis=1),   # [B, L, K, T]
-      stats=RolloutStats(finished=s.done, decode_steps=s.index - P, entropy=s.entropy,
+      response_lengths=jnp.sum(out.mask, axis=1).astype(jnp.int32),
+      response_mask=out.mask,
+      logp=out.logp,
+      evicted_at=out.evicted_at,
+      stats=RolloutStats(finished=out.done, decode_steps=s.steps, entropy=out.entropy,
                          cache_slots=g.policy.total_slots,
                          cache_bytes=kv.nbytes([(c.k, c.v) for c in s.caches])),
-      topk_ids=s.topk_ids, topk_logp=s.topk_logp, full_logp=s.full_logp,
-      routed_experts=s.routed)
+      topk_ids=out.topk_ids, topk_logp=out.topk_logp, full_logp=out.full_logp,
+      routed_experts=out.routed)
 
 
-_STATIC = ("graphdef", "scfg", "ccfg", "attn_impl")
+_STATIC = ("graphdef", "scfg", "ccfg", "bcfg", "attn_impl")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, *,
-                  scfg: SamplingConfig, ccfg: CacheConfig, attn_impl: str) -> Rollout:
+                  scfg: SamplingConfig, ccfg: CacheConfig, bcfg: BatchingConfig,
+                  attn_impl: str) -> Rollout:
   """The whole sampler as one program: prefill, then the decode loop."""
-  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg)
+  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg, bcfg)
   return _decode(g, _prefill(g, prompt_ids, attn_impl), prompt_lengths)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _prefill_jit(graphdef, state, prompt_ids, prompt_lengths, key, *,
-                 scfg: SamplingConfig, ccfg: CacheConfig, attn_impl: str) -> DecodeState:
+                 scfg: SamplingConfig, ccfg: CacheConfig, bcfg: BatchingConfig,
+                 attn_impl: str) -> DecodeState:
   """The prefill alone (`run_phase("prefill")`)."""
-  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg)
+  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg, bcfg)
   return _prefill(g, prompt_ids, attn_impl)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry: DecodeState, *,
-                scfg: SamplingConfig, ccfg: CacheConfig, attn_impl: str) -> Rollout:
+                scfg: SamplingConfig, ccfg: CacheConfig, bcfg: BatchingConfig,
+                attn_impl: str) -> Rollout:
   """The decode loop alone, from the prefill's state (`run_phase("decode")`)."""
   del attn_impl   # the decode loop attends through the cache
-  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg)
+  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg, bcfg)
   return _decode(g, carry, prompt_lengths)
 
 
-def _record(s: DecodeState, at, tok: jax.Array, logp: jax.Array, dist: jax.Array,
-            ent: jax.Array, scfg: SamplingConfig) -> DecodeState:
-  """Writes the token sampled for array index `at` (tok, logp, ent [B], dist [B, V]); rows
-  that already finished get pad_id and zeros."""
-  alive = ~s.done
-  tok = jnp.where(alive, tok, scfg.pad_id)
-
-  def put(buf, val):
-    return jax.lax.dynamic_update_slice_in_dim(buf, val[:, None].astype(buf.dtype), at, axis=1)
-  new = dict(tokens=put(s.tokens, tok), logp=put(s.logp, jnp.where(alive, logp, 0.0)),
-             entropy=put(s.entropy, jnp.where(alive, ent, 0.0)),
-             mask=put(s.mask, alive.astype(jnp.int32)),
-             done=s.done | (alive & _is_eos(tok, scfg.eos_ids)))
+def _record(out: Outputs, rows: jax.Array, at: jax.Array, tok: jax.Array, logp: jax.Array,
+            dist: jax.Array, ent: jax.Array, scfg: SamplingConfig) -> Outputs:
+  """Writes the tokens sampled for rows [S] at array indices at [S] (tok, logp, ent [S],
+  dist [S, V]); a row id of B drops the write (slots that are not decoding)."""
+  put = lambda buf, val: buf.at[rows, at].set(val.astype(buf.dtype), mode="drop")
+  new = dict(tokens=put(out.tokens, tok), logp=put(out.logp, logp),
+             entropy=put(out.entropy, ent), mask=put(out.mask, jnp.ones_like(tok)),
+             done=out.done.at[rows].set(_is_eos(tok, scfg.eos_ids), mode="drop"))
   if scfg.keep_topk_logprobs:
     tv, ti = jax.lax.top_k(dist, scfg.keep_topk_logprobs)
-    new.update(topk_logp=put(s.topk_logp, jnp.where(alive[:, None], tv, 0.0)),
-               topk_ids=put(s.topk_ids, jnp.where(alive[:, None], ti, 0)))
+    new.update(topk_logp=put(out.topk_logp, tv), topk_ids=put(out.topk_ids, ti))
   if scfg.keep_full_logprobs:
-    new["full_logp"] = put(s.full_logp, jnp.where(alive[:, None], dist, 0.0))
-  return s.replace(**new)
+    new["full_logp"] = put(out.full_logp, dist)
+  return out.replace(**new)
 
 
 def _is_eos(tok: jax.Array, eos_ids) -> jax.Array:

@@ -14,9 +14,10 @@ Gumbel draw cost more per decode step than the 4 layers' matmuls. The resolution
 Gumbel-max with 23-bit uniforms has a comparable tail cutoff), and a token the distribution
 removed (log-prob -inf) is never drawn, whatever the rounding of the cumulative sum.
 
-Logit noise (the mismatch knob) is a counter-based hash of (key, element index) mapped to a
-Gaussian (`gaussian_noise`): a third of the cost of threefry's normal on [B, V], and
-reproducible from the same key by anyone who calls the function.
+Logit noise (the mismatch knob) is a counter-based hash mapped to a Gaussian (`trm_jax.rng`):
+a third of the cost of threefry's normal on [B, V]. The sampler keys it, like its uniforms, by
+(row, array index, vocabulary entry) (`row_noise`), so anyone can replay it and no other row
+changes it.
 """
 from __future__ import annotations
 
@@ -24,7 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trm_jax import rng
 from trm_jax.rollout.types import SamplingConfig
+
+fmix32 = rng.fmix32                  # (re-exported: the hash lives in trm_jax.rng)
+normal_from_bits = rng.normal_from_bits
 
 
 def sampled_logprobs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -80,18 +85,19 @@ def sample(key: jax.Array, logits: jax.Array, cfg: SamplingConfig):
   Returns:
     tokens [B] int32, logp [B] fp32 of those tokens, dist [B, V] fp32 log-probs sampled from.
   """
-  tokens, logp, dist, _ = draw(key, logits, cfg)
+  tokens, logp, dist, _ = draw(logits, cfg, uniform24(key, logits.shape[:-1]))
   return tokens, logp, dist
 
 
-def draw(key: jax.Array, logits: jax.Array, cfg: SamplingConfig):
-  """`sample`, plus the entropy [B] of each row's distribution (sharing its exp pass)."""
+def draw(logits: jax.Array, cfg: SamplingConfig, u: jax.Array):
+  """`sample` from given uniforms u [B] in [0, 1) (the sampler's are keyed per row and
+  index: `rng.uniform`), plus the entropy [B] of each row's distribution."""
   with jax.named_scope("sample"):
     dist, e, z = _log_softmax(_scaled(logits, cfg))          # e = 0 where truncated
     if cfg.greedy:
       tokens = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
     else:
-      tokens = inverse_cdf(e, uniform24(key, dist.shape[:-1]))
+      tokens = inverse_cdf(e, u)
     logp = jnp.take_along_axis(dist, tokens[..., None], axis=-1)[..., 0]
     ent = -jnp.sum(jnp.where(e > 0, e * dist, 0.0), axis=-1) / z[..., 0]
   return tokens, logp, dist, ent
@@ -141,38 +147,19 @@ def inverse_cdf(p: jax.Array, u: jax.Array, *, block: int = 128) -> jax.Array:
   return (b * block + j).astype(jnp.int32)
 
 
-def fmix32(x: jax.Array) -> jax.Array:
-  """MurmurHash3's 32-bit finaliser: a bijective mixer on uint32 with full avalanche."""
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x85EBCA6B)
-  x = x ^ (x >> 13)
-  x = x * jnp.uint32(0xC2B2AE35)
-  return x ^ (x >> 16)
-
-
 def gaussian_noise(key: jax.Array, shape) -> jax.Array:
-  """Standard normal fp32 noise of `shape`, a pure function of (key, element index).
-
-  Each element's 32 bits are two rounds of MurmurHash3's finaliser over its flat index, keyed
-  by two threefry words of `key`; 24 of them give a uniform u in (0, 1) (midpoints of the 2^-24
-  grid, so never 0 or 1), mapped by the inverse normal CDF sqrt(2) erfinv(2u - 1) (|z| < 5.5).
-  """
+  """Standard normal fp32 noise of `shape`, a pure function of (key, element index):
+  `rng.normal` of each element's flat index (|z| < 5.5)."""
   with jax.named_scope("logit_noise"):
-    s = jax.random.bits(key, (2,), jnp.uint32)
     n = int(np.prod(shape)) if len(shape) else 1
-    i = jax.lax.iota(jnp.uint32, n).reshape(shape)
-    return normal_from_bits(fmix32(fmix32(i ^ s[0]) + s[1]))
+    return rng.normal(rng.seed(key), jax.lax.iota(jnp.uint32, n).reshape(shape))
 
 
-def normal_from_bits(h: jax.Array) -> jax.Array:
-  """uint32 -> standard normal fp32 through sqrt(2) erfinv(2u - 1), u = (a + 1/2) 2^-24 for
-  the top 24 bits a. 2u - 1 = (2a + 1 - 2^24) 2^-24 is formed in integers: an odd integer of
-  magnitude < 2^24 is exact in fp32, so the argument stays strictly inside (-1, 1). (In
-  floating point, a + 1/2 rounds up to 2^24 for a = 2^24 - 1, and erfinv(1) = inf turned
-  one noise draw in 2^24 into a NaN distribution.)"""
-  a = (h >> 8).astype(jnp.int32)
-  x = (2 * a + (1 - (1 << 24))).astype(jnp.float32) * np.float32(1.0 / (1 << 24))
-  return np.float32(np.sqrt(2.0)) * jax.lax.erf_inv(x)
+def row_noise(s: jax.Array, rows: jax.Array, index: jax.Array, V: int) -> jax.Array:
+  """The logit noise [B, V] of rows [B] at array indices index [B] under stream seed s:
+  entry (b, v) is `rng.normal(s, rows[b], index[b], v)`, whatever batch computes it."""
+  with jax.named_scope("logit_noise"):
+    return rng.normal(s, rows[:, None], index[:, None], jax.lax.iota(jnp.uint32, V)[None])
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, cfg: SamplingConfig) -> jax.Array:

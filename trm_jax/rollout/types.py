@@ -140,11 +140,53 @@ class SamplingConfig:
     return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchingConfig:
+  """How the sampler schedules a batch's rows (static: part of the compiled program).
+
+  slots: S rows decode at once; when one finishes (EOS or max_new_tokens) the next row is
+    loaded into its slot, on device. 0 (or >= B) = every row at once. Any S gives every row
+    the same draws (they are keyed by row and array index), so it changes speed, not results
+    beyond float rounding.
+  group_size: G, rows [g*G, (g+1)*G) share one prompt (GRPO's rollouts of a problem); it is
+    prefilled once per group and every row starts from that KV (B must be a multiple of G).
+  chunk: decode steps between two looks at the batch: after each chunk, free slots are
+    refilled and the caches are cut to the smallest `cache.slot_buckets` size that holds
+    every slot the next chunk can fill (so a step reads the live part of the cache, not its
+    capacity). A row that finishes mid-chunk idles until the chunk ends.
+  bucket: the granularity of those sizes in slots (`cache.slot_buckets`: at most 8 sizes,
+    so at most 8 compiled decode chunks).
+  refill: load rows into free slots once at least this many are free (fewer when fewer rows
+    are left); 0 = max(1, S // 8). Loading copies the prompt's KV into the slots and samples
+    their first tokens: cheaper batched than one row at a time.
+  """
+  slots: int = 0
+  group_size: int = 1
+  chunk: int = 16
+  refill: int = 0
+  bucket: int = 128
+
+  def __post_init__(self):
+    if (self.slots < 0 or self.group_size < 1 or self.refill < 0 or self.chunk < 1
+        or self.bucket < 1):
+      raise ValueError(f"BatchingConfig(slots={self.slots}, group_size={self.group_size}, "
+                       f"chunk={self.chunk}, refill={self.refill}, bucket={self.bucket}): "
+                       f"slots and refill must be >= 0, the others >= 1")
+
+  def sizes(self, B: int) -> Tuple[int, int]:
+    """(S slots, refill threshold) for a batch of B rows."""
+    if B % self.group_size:
+      raise ValueError(f"batch of {B} rows is not a multiple of group_size={self.group_size}")
+    S = B if self.slots == 0 or self.slots >= B else self.slots
+    return S, min(S, self.refill or max(1, S // 8))
+
+
 @struct.dataclass
 class RolloutStats:
   """Sampler-side statistics."""
   finished: jax.Array          # [B] bool: the row emitted an EOS id
-  decode_steps: jax.Array      # [] int32: cached decode steps run (early exit when all finish)
+  decode_steps: jax.Array      # [] int32: decode steps run (each advances every decoding slot;
+                               #   the loop exits when every row has finished)
   entropy: jax.Array           # [B, T] fp32 entropy of each sampled distribution; 0 elsewhere
   cache_slots: int = struct.field(pytree_node=False, default=0)   # C per layer per kv head
   cache_bytes: int = struct.field(pytree_node=False, default=0)   # K/V bytes of the cache
