@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import jax
 
+from trm_jax.registry import Registry
 from trm_jax.rl import sparse_rl
 
 # (logp_theta [B, T], logp_roll [B, T], response_mask [B, T]) -> (token weights [B, T],
@@ -48,21 +49,16 @@ def _sparse_rl_weights(logp, logp_roll, response_mask):
                            "sparse_rl/veto_frac": w.veto_frac}
 
 
-MODES: dict[str, LearnerMode] = {}
+MODES: Registry[LearnerMode] = Registry("learner mode")
 
 
 def register_mode(name: str, mode: LearnerMode) -> LearnerMode:
   """Adds `mode` under `name` (the value of `smd.mode` / `LearnerConfig.mode`)."""
-  if name in MODES:
-    raise ValueError(f"learner mode {name!r} is already registered")
-  MODES[name] = mode
-  return mode
+  return MODES.register(name, mode)
 
 
 def get_mode(name: str) -> LearnerMode:
-  if name not in MODES:
-    raise ValueError(f"learner mode must be one of {sorted(MODES)}, got {name!r}")
-  return MODES[name]
+  return MODES.get(name)
 
 
 register_mode("off", LearnerMode())

@@ -59,6 +59,8 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from trm_jax.registry import Registry
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm")
 
@@ -305,7 +307,7 @@ class Objective:
   uses_logp_old: bool = False           # reads LearnerBatch.logp_old (PPO's behaviour policy)
 
 
-OBJECTIVES: dict[str, Objective] = {}
+OBJECTIVES: Registry[Objective] = Registry("objective")
 
 
 def register_objective(name: str, loss: Callable[..., tuple[jax.Array, dict]], *,
@@ -313,10 +315,7 @@ def register_objective(name: str, loss: Callable[..., tuple[jax.Array, dict]], *
                        uses_logp_old: bool = False) -> Objective:
   """Adds `loss` under `name` (the value of `rl.objective`); `config_fields` name the `rl`
   settings it takes as keyword arguments."""
-  if name in OBJECTIVES:
-    raise ValueError(f"objective {name!r} is already registered")
-  OBJECTIVES[name] = Objective(loss, tuple(config_fields), uses_logp_old)
-  return OBJECTIVES[name]
+  return OBJECTIVES.register(name, Objective(loss, tuple(config_fields), uses_logp_old))
 
 
 register_objective("trm_surrogate", trm_surrogate)
@@ -326,9 +325,7 @@ register_objective("tis", truncated_is, config_fields=("tis_cap",))
 
 
 def get_objective(name: str) -> Objective:
-  if name not in OBJECTIVES:
-    raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, got {name!r}")
-  return OBJECTIVES[name]
+  return OBJECTIVES.get(name)
 
 
 def compute_loss(objective: str, **kwargs) -> tuple[jax.Array, dict]:
