@@ -28,9 +28,9 @@ POLICIES = {
     "recent": CacheConfig(policy="recent", capacity=10, sinks=2),
     "random": CacheConfig(policy="random", ratio=0.4),
 }
-# 5 slots over 12 rows, refilled 2 at a time between chunks of 3 steps, caches cut to 8-slot
+# 5 slots over 12 rows, refilled 2 at a time between chunks of 3 steps, caches cut to 16-slot
 # buckets: every mechanism of the slotted loop runs.
-SLOTTED = BatchingConfig(slots=5, group_size=G, chunk=3, refill=2, bucket=8)
+SLOTTED = BatchingConfig(slots=5, group_size=G, chunk=3, refill=2, bucket=16)
 
 
 def _prompts(group=G):

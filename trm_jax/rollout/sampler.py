@@ -494,16 +494,10 @@ def _merge(cache: KVCache, new: KVCache, take: jax.Array) -> KVCache:
 
 
 def _run_chunk(g: _Call, n: int, s: DecodeState) -> DecodeState:
-  """Up to `bcfg.chunk` decode steps (fewer when no slot is decoding) on the first n slots
-  of every cache: they are copied out once, read and written by every step (a step's
-  attention reads n slots, not C), and copied back."""
+  """Up to `bcfg.chunk` decode steps (fewer when no slot is decoding) on caches of n slots
+  (the first n of the C slots: `_decode` cuts them)."""
   model, scfg = g.model, g.scfg
   B, P, T = g.shape
-  C = g.policy.total_slots
-  cut = lambda c: c if n == C else c.replace(
-      k=c.k[:, :, :n], v=c.v[:, :, :n], pos=c.pos[:, :, :n],
-      score=None if c.score is None else c.score[:, :, :n])
-  full = s.caches
   policy = dataclasses.replace(g.policy, total_slots=n)
 
   def step(carry):
@@ -527,50 +521,57 @@ def _run_chunk(g: _Call, n: int, s: DecodeState) -> DecodeState:
                             tok=jnp.where(s.active, tok, s.tok),
                             active=s.active & ~finished, caches=caches, out=out)
 
-  _, s = jax.lax.while_loop(lambda c: (c[0] < g.bcfg.chunk) & jnp.any(c[1].active), step,
-                            (jnp.int32(0), s.replace(caches=tuple(cut(c) for c in full))))
-  if n == C:
-    return s
-  back = lambda buf, part: buf.at[:, :, :n].set(part)
-  return s.replace(caches=tuple(
-      f.replace(k=back(f.k, c.k), v=back(f.v, c.v), pos=back(f.pos, c.pos),
-                score=None if f.score is None else back(f.score, c.score),
-                evicted_at=c.evicted_at)
-      for f, c in zip(full, s.caches)))
+  return jax.lax.while_loop(lambda c: (c[0] < g.bcfg.chunk) & jnp.any(c[1].active), step,
+                            (jnp.int32(0), s))[1]
 
 
 def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
   """The decode loop from `s`, in chunks of `bcfg.chunk` steps: every decoding slot's query i
   feeds its row's token i and samples token i + 1; a row finishes at EOS or index T - 1.
   Between chunks, free slots are refilled with the next rows (once `g.refill` of them are
-  free), and each chunk runs on the caches cut to the smallest bucket (`cache.slot_buckets`)
-  that holds every slot it can fill. Returns the `Rollout`."""
+  free). The loop runs in stages, one per `cache.slot_buckets` size n, smallest first: a stage
+  holds the caches cut to their first n slots (copied out once, written back once) and runs
+  chunks while every slot the next chunk can fill is below n, so a step reads the live part
+  of the cache, not its capacity. (Stages, not a `lax.switch` per chunk: XLA copies a whole
+  cache through a conditional.) Returns the `Rollout`."""
   scfg = g.scfg
   B, P, T = g.shape
-  buckets = kv.slot_buckets(g.policy.total_slots, block=g.bcfg.bucket)
-  chunks = [functools.partial(_run_chunk, g, n) for n in buckets]
+  C = g.policy.total_slots
 
-  def cond(s: DecodeState):
+  def more(s: DecodeState):
     # At most B * R steps: each step advances at least one row (a bound against bugs).
     return ((jnp.any(s.active) | (s.next_row < B))
             & (s.steps < B * scfg.max_new_tokens))
 
-  def body(s: DecodeState) -> DecodeState:
-    if len(buckets) == 1:
-      s = chunks[0](s)
-    else:
-      pol = g.policy.with_slots(active=s.active)
-      need = pol.filled_bound(s.index + g.bcfg.chunk - 1)
-      which = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), need),
-                          len(buckets) - 1)
-      s = jax.lax.switch(which, chunks, s)
+  def fits(s: DecodeState, n: int):
+    return g.policy.with_slots(active=s.active).filled_bound(s.index + g.bcfg.chunk - 1) <= n
+
+  def chunk_then_refill(n, s: DecodeState) -> DecodeState:
+    s = _run_chunk(g, n, s)
     if g.S == B:
       return s                                  # every row was loaded at the start
     n_free = jnp.sum(~s.active, dtype=jnp.int32)
     due = (s.next_row < B) & (n_free >= jnp.minimum(g.refill, B - s.next_row))
     return jax.lax.cond(due, functools.partial(_load, g), lambda s: s, s)
 
-  s = _flush(g, jax.lax.while_loop(cond, body, s), jnp.ones((g.S,), bool))
+  for n in kv.slot_buckets(C, block=g.bcfg.bucket):
+    full = s.caches
+    if n < C:
+      s = s.replace(caches=tuple(c.replace(
+          k=c.k[:, :, :n], v=c.v[:, :, :n], pos=c.pos[:, :, :n],
+          score=None if c.score is None else c.score[:, :, :n]) for c in full))
+      s = jax.lax.while_loop(lambda s, n=n: more(s) & fits(s, n),
+                             functools.partial(chunk_then_refill, n), s)
+      back = lambda buf, part: buf.at[:, :, :n].set(part)
+      s = s.replace(caches=tuple(
+          f.replace(k=back(f.k, c.k), v=back(f.v, c.v), pos=back(f.pos, c.pos),
+                    score=None if f.score is None else back(f.score, c.score),
+                    evicted_at=c.evicted_at)
+          for f, c in zip(full, s.caches)))
+    else:
+      s = jax.lax.while_loop(more, functools.partial(chunk_then_refill, n), s)
+
+  s = _flush(g, s, jnp.ones((g.S,), bool))
   out = s.out
   return Rollout(
       tokens=out.tokens,
