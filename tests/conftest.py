@@ -49,6 +49,7 @@ LONG_FILES_FIRST = (
     "test_train_resume.py",    # trainer subprocesses, SIGKILL + resume
     "test_notebooks.py",       # 48-55 s loaded
     "test_routing_replay.py",  # its trainer run ~45 s
+    "test_rollout_slots.py",   # 10 slotted-vs-all-at-once pairs, every cache policy: ~50 s
     "test_wheel.py",           # ~40 s
     "test_aot.py",             # ~40 s (its docstring)
     "test_sweep.py",           # sweep subprocesses
