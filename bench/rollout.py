@@ -43,7 +43,7 @@ vocab 4096, fp32) written by `save_pretrained` and loaded by every contender.
   lengths are about geometric: mean ~137, median ~95, the longest of 256 rows typically
   600-1000. Contenders, each generating all rows: ours with continuous batching
   (`ours_slots{S}_g8`: slots S in --grpo-slots, default 32 64 128, group_size 8), ours all at
-  once (`ours_all_g8`: slots 0, group_size 8; `ours_all_g1`: today's call), transformers
+  once (`ours_all_g8`: slots 0, group_size 8; `ours_all_g1`: every row prefilled), transformers
   `generate` (all rows in one call), transformers' continuous batching `generate_batch`
   (`transformers_cb`, one request per row, its defaults), Tunix's `Sampler`. Each is called
   once to warm up (compiles), then per round (--rounds, default 1) --grpo-repeats (default 3)
@@ -623,8 +623,16 @@ def _versions(with_tunix: bool) -> dict:
 
 # ------------------------------------------------------------------------------ (a) GRPO
 def bench_grpo(path, *, groups, G, P, N, slot_sizes, repeats, rounds, with_tunix,
-               with_cb=True, not_run: Optional[dict] = None) -> dict:
-  """not_run: contenders left out before the run, {name: why} (recorded as unavailable)."""
+               with_cb=True, not_run: Optional[dict] = None, skip=()) -> dict:
+  """not_run: contenders left out before the run, {name: why} (recorded as unavailable);
+  skip: names not run at all (recorded under unavailable as skipped by flag).
+
+  Warm-up: the contenders that compile (ours, Tunix) are warmed up with the full call (their
+  programs depend on the shapes); transformers' `generate` and `generate_batch` compile
+  nothing, so they warm up on 8 rows and 8 new tokens. repeats=0 (--grpo-repeats 0) is the
+  cold protocol: no warm-up, each contender's one full first call (ours and Tunix compiling
+  in it, transformers not) is its time: a ratio against transformers then charges ours its
+  compilation."""
   ids = group_prompts(groups, G, P)
   B = groups * G
   supported = slots_supported()
@@ -640,12 +648,24 @@ def bench_grpo(path, *, groups, G, P, N, slot_sizes, repeats, rounds, with_tunix
     factories.append(("transformers_cb", lambda: TransformersCB(path)))
   if with_tunix:
     factories.append(("tunix", lambda: TunixLong(path, max_len=P + N)))
-  contenders, unavailable, warm = [], dict(not_run or {}), {}
+  contenders, unavailable, warm, cold = [], dict(not_run or {}), {}, {}
+  for name in skip:
+    unavailable[name] = "skipped (--grpo-skip)"
+  factories = [(n, f) for n, f in factories if n not in skip]
   for name, make in factories:                 # build and warm up (compiles) each contender
     try:
       c = make()
       t0 = time.perf_counter()
-      lens = c(ids, N, 0)
+      if repeats == 0:        # cold protocol (--grpo-repeats 0): one full call each, probed
+        t, info, lens = hygiene.timed(c, ids, N, 1)
+        cold[name] = dict(_probe_row(info), seed=1, tokens=int(np.sum(lens)),
+                          max_length=int(np.max(lens)),
+                          useful_tokens_per_s=round(float(np.sum(lens)) / t, 2),
+                          lengths=np.asarray(lens).tolist())
+      elif name.startswith("transformers"):
+        lens = c(ids[:8], 8, 0)
+      else:
+        lens = c(ids, N, 0)
       warm[name] = dict(first_call_s=round(time.perf_counter() - t0, 2),
                         lengths=length_stats(lens, N))
       contenders.append(c)
@@ -659,6 +679,8 @@ def bench_grpo(path, *, groups, G, P, N, slot_sizes, repeats, rounds, with_tunix
   out_rounds = []
   for rnd in range(rounds):
     calls = {n: [] for n in names}
+    if repeats == 0:          # cold: each contender's first call, compile included, is the time
+      calls = {n: [cold[n]] for n in names}
     for rep in range(repeats):
       seed = 1000 * rnd + rep + 1           # the same seed for every contender in a repeat
       order = contenders[rep % len(contenders):] + contenders[:rep % len(contenders)]
@@ -891,7 +913,7 @@ def run_grpo(args, start, with_tunix):
           f"not importable ({tunix_import_error()}); see --tunix-path")
     r = bench_grpo(tmp, groups=groups, G=G, P=P, N=N, slot_sizes=slot_sizes, repeats=repeats,
                    rounds=args.rounds or 1, with_tunix=with_tunix, with_cb=not args.no_cb,
-                   not_run=not_run)
+                   not_run=not_run, skip=tuple(args.grpo_skip))
   result = dict(quick=q, checkpoint=ckpt, machine=dict(hygiene.machine(), **_versions(with_tunix)),
                 start=start, other_cores_limit=hygiene.OTHER_CORES_LIMIT, **r)
   print(json.dumps(dict(slots_supported=r["slots_supported"], unavailable=r["unavailable"],
@@ -938,6 +960,8 @@ def main(argv=None):
                  help="slot counts S of ours with continuous batching (default 32 64 128)")
   g.add_argument("--grpo-repeats", type=int, default=None, help="default 3 (quick: 2)")
   g.add_argument("--no-cb", action="store_true", help="skip transformers' generate_batch")
+  g.add_argument("--grpo-skip", nargs="+", default=(),
+                 help="contenders not to run (e.g. ours_all_g1)")
   g.add_argument("--curve", action="store_true",
                  help="ms/step and compile s vs rows and new tokens, rollout_curve.json")
   g.add_argument("--curve-rows", type=int, nargs="+", default=None)
