@@ -902,7 +902,7 @@ def run_grpo(args, start, with_tunix):
   groups, G, P = (8, 8, 32) if q else (32, 8, 32)
   N, mean = (256, 40.0) if q else (1024, 137.0)
   slot_sizes = args.grpo_slots or ((16, 32) if q else (32, 64, 128))
-  repeats = args.grpo_repeats or (2 if q else 3)
+  repeats = args.grpo_repeats if args.grpo_repeats is not None else (2 if q else 3)
   with tempfile.TemporaryDirectory() as tmp:
     ckpt = write_small_checkpoint(tmp, eos_mean=mean)
     not_run = {}
