@@ -168,10 +168,7 @@ def main(argv=None):
   for p in result[args.label]["profiles"]:
     print(p["dtype"], "wall", p["wall_ms_per_step"], "ms/step", p["ms_per_step_by_category"],
           "contended" if p["contention"]["contended"] else "quiet", flush=True)
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
-  print("wrote", args.out)
+  hygiene.write_json(result, args.out)
 
 
 if __name__ == "__main__":

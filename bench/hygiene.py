@@ -109,3 +109,12 @@ def machine() -> dict:
     pass
   return dict(platform=platform.platform(), cpu=cpu, cpus=os.cpu_count(),
               load_average=[round(x, 2) for x in os.getloadavg()])
+
+
+def write_json(result: dict, path: str) -> None:
+  """Writes a benchmark's result to `path` (its folder made if needed) and says so."""
+  import json  # pylint: disable=g-import-not-at-top
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+  print("wrote", path)

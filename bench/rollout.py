@@ -890,13 +890,6 @@ def bench_curve(path, *, rows, new, P, repeats, max_product, max_cache_gb, max_c
               elapsed_s=round(time.perf_counter() - t_start, 1))
 
 
-def _write(result: dict, out: str):
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(result, f, indent=1)
-  print("wrote", out)
-
-
 def run_grpo(args, start, with_tunix):
   q = args.quick
   groups, G, P = (8, 8, 32) if q else (32, 8, 32)
@@ -918,7 +911,7 @@ def run_grpo(args, start, with_tunix):
                 start=start, other_cores_limit=hygiene.OTHER_CORES_LIMIT, **r)
   print(json.dumps(dict(slots_supported=r["slots_supported"], unavailable=r["unavailable"],
                         results=r["results"]), indent=1))
-  _write(result, args.out or os.path.join(RESULTS, "rollout_grpo.json"))
+  hygiene.write_json(result, args.out or os.path.join(RESULTS, "rollout_grpo.json"))
 
 
 def run_curve(args, start):
@@ -937,7 +930,7 @@ def run_curve(args, start):
   print(json.dumps(dict(results=r["results"], speed_ours_over_transformers=r[
       "speed_ours_over_transformers"], skipped=len(r["skipped"]),
       contended_cells=r["contended_cells"]), indent=1))
-  _write(result, args.out or os.path.join(RESULTS, "rollout_curve.json"))
+  hygiene.write_json(result, args.out or os.path.join(RESULTS, "rollout_curve.json"))
 
 
 def main(argv=None):
@@ -1010,11 +1003,7 @@ def main(argv=None):
                 other_cores_limit=hygiene.OTHER_CORES_LIMIT,
                 **summarize(by_dtype, snap), by_dtype=by_dtype, snapkv_long_prompt=snap)
   print(json.dumps(result["results"], indent=1))
-  out = args.out or os.path.join(RESULTS, "rollout.json")
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(result, f, indent=1)
-  print("wrote", out)
+  hygiene.write_json(result, args.out or os.path.join(RESULTS, "rollout.json"))
 
 
 if __name__ == "__main__":

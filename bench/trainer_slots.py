@@ -71,10 +71,7 @@ def main(argv=None):
   result = dict(config=args.config, steps=args.steps, skip=args.skip, start=start,
                 machine=hygiene.machine(), results=summary, runs=runs)
   print(json.dumps(summary, indent=1))
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
-  print("wrote", args.out)
+  hygiene.write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ class CacheEviction:
   rand_key: Optional[jax.Array]    # the random policy's key (`policies.random_priority`)
   rows: Optional[jax.Array] = None     # [S] int32 row (of the whole batch) each slot holds
   start: Optional[jax.Array] = None    # [S] int32 array index of its first valid token
-  keep: Optional[jax.Array] = None     # [S] int32 prompt keys it keeps after prefill
+  keep: Optional[jax.Array] = None     # [S] int32 prompt keys it keeps (read by `load`)
   budget: Optional[jax.Array] = None   # [S] int32 most keys it may hold at once
   active: Optional[jax.Array] = None   # [S] bool the slot is decoding (else: no writes)
 

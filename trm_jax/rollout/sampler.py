@@ -126,7 +126,6 @@ class DecodeState:
   tok: jax.Array                 # [S] int32 the token at `index`
   active: jax.Array              # [S] bool the slot is decoding (else finished or empty)
   start: jax.Array               # [S] int32 array index of its row's first valid token
-  keep: jax.Array                # [S] int32 prompt keys its row keeps after prefill
   budget: jax.Array              # [S] int32 most keys its row may hold at once
   caches: Tuple[KVCache, ...]    # L caches: k, v [S, K, C, H]; pos, score [S, K, C];
                                  #   evicted_at [S, K, T]
@@ -428,7 +427,7 @@ def _prefill(g: _Call, prompt_ids, attn_impl: str) -> DecodeState:
   none = jnp.zeros((S,), jnp.int32)
   s = DecodeState(steps=jnp.int32(0), next_row=jnp.int32(0), row=jnp.full((S,), B, jnp.int32),
                   index=jnp.full((S,), P, jnp.int32), tok=none, active=jnp.zeros((S,), bool),
-                  start=none, keep=none, budget=none, caches=(empty,) * L,
+                  start=none, budget=none, caches=(empty,) * L,
                   prompts=tuple(records), h_prompt=h, out=out, routed_prompt=routed_prompt)
   return _load(g, s)
 
@@ -473,7 +472,7 @@ def _load(g: _Call, s: DecodeState) -> DecodeState:
       row=jnp.where(take, r, jnp.where(free, B, s.row)),
       index=pick(P, s.index), tok=pick(tok, s.tok),
       active=jnp.where(free, take & ~first_done, s.active),
-      start=pick(pol.start, s.start), keep=pick(pol.keep, s.keep),
+      start=pick(pol.start, s.start),
       budget=pick(pol.budget, s.budget), caches=caches, out=out)
 
 
@@ -504,8 +503,7 @@ def _run_chunk(g: _Call, n: int, s: DecodeState) -> DecodeState:
     j, s = carry
     i = s.index
     r = jnp.minimum(s.row, B - 1)
-    pol = policy.with_slots(rows=r, start=s.start, keep=s.keep, budget=s.budget,
-                            active=s.active)
+    pol = policy.with_slots(rows=r, start=s.start, budget=s.budget, active=s.active)
     h, caches, routing = model.decode_step(
         s.tok[:, None], s.caches, pol, positions=(i - s.start)[:, None], index=i,
         with_routing=True, **g.router_noise((r * T + i)[:, None]))
