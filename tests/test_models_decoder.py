@@ -66,7 +66,8 @@ class _StaticCache:
     B, P, K, H = k.shape
     pad = ((0, 0), (0, 0), (0, self.T - P), (0, 0))
     idx = jnp.arange(self.T, dtype=jnp.int32)
-    return KVCache(k=jnp.pad(jnp.swapaxes(k, 1, 2), pad), v=jnp.pad(jnp.swapaxes(v, 1, 2), pad),
+    kt = jnp.pad(jnp.transpose(k, (0, 2, 3, 1)), ((0, 0), (0, 0), (0, 0), (0, self.T - P)))
+    return KVCache(k=kt, v=jnp.pad(jnp.swapaxes(v, 1, 2), pad),
                    pos=jnp.broadcast_to(jnp.where(idx < P, idx, -1), (B, K, self.T)),
                    score=jnp.zeros((B, K, self.T), jnp.float32))
 
@@ -89,7 +90,7 @@ def test_prefill_and_cached_decode_steps_equal_the_forward(overrides):
   def run(model, tokens):
     policy = _StaticCache(T)
     h, caches = model.prefill(tokens[:, :P], policy)
-    assert policy.seen == [0, 1] and len(caches) == 2 and caches[0].k.shape == (B, 2, T, 16)
+    assert policy.seen == [0, 1] and len(caches) == 2 and caches[0].k.shape == (B, 2, 16, T)
     logits = [model.unembed(h)]
     for i in range(P, T - 1):
       pos = jnp.full((B, 1), i, jnp.int32)

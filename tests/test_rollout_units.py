@@ -109,17 +109,17 @@ def test_from_prompt_right_aligns_kept_keys():
   keep = jnp.array([[[0, 1, 0, 1, 1, 0], [1, 0, 0, 0, 0, 1]]], bool)
   c = kv.from_prompt(k, k, keep, jnp.zeros((B, K, P)), num_prompt_slots=3, num_total_slots=5)
   assert c.pos.tolist() == [[[1, 3, 4, -1, -1], [-1, 0, 5, -1, -1]]]
-  assert c.k[0, 0, :3, 0].tolist() == [1.0, 3.0, 4.0]
+  assert c.k[0, 0, 0, :3].tolist() == [1.0, 3.0, 4.0]                  # k is [B, K, H, C]
   c = kv_cache.write(c, jnp.int32(3), jnp.full((B, K, H), 9.0), jnp.full((B, K, H), 9.0),
                      jnp.int32(6))
-  assert c.pos[0, :, 3].tolist() == [6, 6] and c.k[0, 1, 3, 0] == 9.0
+  assert c.pos[0, :, 3].tolist() == [6, 6] and c.k[0, 1, 0, 3] == 9.0
 
 
 def _cache(pos, score, T):
   pos = jnp.asarray(pos, jnp.int32)[None, None]                          # [1, 1, C]
   C = pos.shape[-1]
   z = jnp.zeros((1, 1, C, 1))
-  return kv_cache.KVCache(k=z, v=z, pos=pos, score=jnp.asarray(score, jnp.float32)[None, None],
+  return kv_cache.KVCache(k=jnp.zeros((1, 1, 1, C)), v=z, pos=pos, score=jnp.asarray(score, jnp.float32)[None, None],
                           evicted_at=jnp.full((1, 1, T), NEVER_EVICTED, jnp.int32))
 
 

@@ -28,7 +28,10 @@ from trm_jax.kernels.attention_ref import guarded_softmax
 @struct.dataclass
 class KVCache:
   """One layer's cache."""
-  k: jax.Array          # [B, K, C, H] keys (RoPE applied), compute dtype
+  k: jax.Array          # [B, K, H, C] keys (RoPE applied), compute dtype; transposed (slots
+                        #   last) so that a decode query's logits are a [G, H] x [H, C] matmul:
+                        #   contracting the last axis of [C, H] ran ~3x slower on XLA:CPU
+                        #   (bench/results/decode_profile.json, "grpo" profiles)
   v: jax.Array          # [B, K, C, H] values
   pos: jax.Array        # [B, K, C] int32 array index of the key in each slot, -1 = empty
   score: Optional[jax.Array] = None  # [B, K, C] fp32 per-slot score the policy keeps (H2O:
@@ -99,19 +102,21 @@ def write(cache: KVCache, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
   if jnp.ndim(slot) == 0:
     at = (0, 0, slot)
     dus = lambda buf, new: jax.lax.dynamic_update_slice(buf, new, at + (0,) * (buf.ndim - 3))
+    dus_k = lambda buf, new: jax.lax.dynamic_update_slice(buf, new, (0, 0, 0, slot))
     score = None if cache.score is None else dus(cache.score, jnp.zeros((B, K, 1), jnp.float32))
     return cache.replace(
-        k=_update(cache.k, k_new[:, :, None], dus),
+        k=_update(cache.k, k_new[:, :, :, None], dus_k),
         v=_update(cache.v, v_new[:, :, None], dus),
         pos=dus(cache.pos, jnp.broadcast_to(jnp.asarray(index, jnp.int32), (B, K, 1))),
         score=score)
   b = jnp.arange(B)[:, None]
   h = jnp.arange(K)[None, :]
   scatter = lambda buf, new: buf.at[b, h, slot].set(new, mode="drop")
+  scatter_k = lambda buf, new: buf.at[b, h, :, slot].set(new, mode="drop")   # new [B, K, H]
   index = jnp.asarray(index, jnp.int32)
   index = index[:, None] if index.ndim == 1 else index
   return cache.replace(
-      k=_update(cache.k, k_new, scatter),
+      k=_update(cache.k, k_new, scatter_k),
       v=_update(cache.v, v_new, scatter),
       pos=scatter(cache.pos, jnp.broadcast_to(index, (B, K))),
       score=None if cache.score is None else scatter(cache.score, jnp.zeros((B, K),
@@ -131,7 +136,7 @@ def attend(q: jax.Array, cache: KVCache, *, scale: Optional[float] = None):
   G = N // K
   scale = H ** -0.5 if scale is None else scale
   qg = q.reshape(B, K, G, H)
-  logits = jnp.einsum("BKGH,BKCH->BKGC", qg, cache.k,
+  logits = jnp.einsum("BKGH,BKHC->BKGC", qg, cache.k,
                       preferred_element_type=jnp.float32) * scale   # [B, K, G, C]
   # The reference's guarded softmax (a decoding row always sees at least its own key).
   p = guarded_softmax(jnp.where((cache.pos >= 0)[:, :, None, :], logits, -jnp.inf))

@@ -127,7 +127,7 @@ def from_prompt(k: jax.Array, v: jax.Array, keep: jax.Array, score: jax.Array, *
     sc = jnp.where(kept, jnp.take_along_axis(score, sel, axis=-1), 0.0)
     sc = jnp.pad(sc.astype(jnp.float32), ((0, 0), (0, 0), (0, pad)))
   return KVCache(
-      k=jnp.pad(ks, ((0, 0), (0, 0), (0, pad), (0, 0))),
+      k=jnp.pad(jnp.swapaxes(ks, 2, 3), ((0, 0), (0, 0), (0, 0), (0, pad))),   # [B, K, H, C]
       v=jnp.pad(vs, ((0, 0), (0, 0), (0, pad), (0, 0))),
       pos=jnp.pad(pos, ((0, 0), (0, 0), (0, pad)), constant_values=-1),
       score=sc)

@@ -127,7 +127,8 @@ class DecodeState:
   active: jax.Array              # [S] bool the slot is decoding (else finished or empty)
   start: jax.Array               # [S] int32 array index of its row's first valid token
   budget: jax.Array              # [S] int32 most keys its row may hold at once
-  caches: Tuple[KVCache, ...]    # L caches: k, v [S, K, C, H]; pos, score [S, K, C];
+  caches: Tuple[KVCache, ...]    # L caches: k [S, K, H, C], v [S, K, C, H]; pos, score
+                                 #   [S, K, C];
                                  #   evicted_at [S, K, T]
   prompts: Tuple[eviction.PromptKV, ...]  # L records of the U prefilled prompts
   h_prompt: jax.Array            # [U, D] final-normed hidden state of each prompt's last index
@@ -420,7 +421,7 @@ def _prefill(g: _Call, prompt_ids, attn_impl: str) -> DecodeState:
   policy = g.policy.cfg.eviction_policy
   keeps_score = policy is not None and policy.keeps_score
   kv_dtype = records[0].k.dtype
-  empty = KVCache(k=jnp.zeros((S, K, C, H), kv_dtype), v=jnp.zeros((S, K, C, H), kv_dtype),
+  empty = KVCache(k=jnp.zeros((S, K, H, C), kv_dtype), v=jnp.zeros((S, K, C, H), kv_dtype),
                   pos=jnp.full((S, K, C), -1, jnp.int32),
                   score=jnp.zeros((S, K, C), jnp.float32) if keeps_score else None,
                   evicted_at=jnp.full((S, K, T), NEVER_EVICTED, jnp.int32))
@@ -482,12 +483,13 @@ def _merge(cache: KVCache, new: KVCache, take: jax.Array) -> KVCache:
   Cp, C = new.pos.shape[-1], cache.pos.shape[-1]
   t3, t4 = take[:, None, None], take[:, None, None, None]
   head = lambda buf, val: buf.at[:, :, :Cp].set(jnp.where(t4, val, buf[:, :, :Cp]))
+  head_k = lambda buf, val: buf.at[..., :Cp].set(jnp.where(t4, val, buf[..., :Cp]))  # [S,K,H,C]
   pos = jnp.concatenate([new.pos, jnp.full(new.pos.shape[:2] + (C - Cp,), -1, jnp.int32)], -1)
   score = None
   if cache.score is not None:
     sc = jnp.pad(new.score, ((0, 0), (0, 0), (0, C - Cp)))
     score = jnp.where(t3, sc, cache.score)
-  return cache.replace(k=head(cache.k, new.k), v=head(cache.v, new.v),
+  return cache.replace(k=head_k(cache.k, new.k), v=head(cache.v, new.v),
                        pos=jnp.where(t3, pos, cache.pos), score=score,
                        evicted_at=jnp.where(t3, new.evicted_at, cache.evicted_at))
 
@@ -556,13 +558,13 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
     full = s.caches
     if n < C:
       s = s.replace(caches=tuple(c.replace(
-          k=c.k[:, :, :n], v=c.v[:, :, :n], pos=c.pos[:, :, :n],
+          k=c.k[..., :n], v=c.v[:, :, :n], pos=c.pos[:, :, :n],
           score=None if c.score is None else c.score[:, :, :n]) for c in full))
       s = jax.lax.while_loop(lambda s, n=n: more(s) & fits(s, n),
                              functools.partial(chunk_then_refill, n), s)
       back = lambda buf, part: buf.at[:, :, :n].set(part)
       s = s.replace(caches=tuple(
-          f.replace(k=back(f.k, c.k), v=back(f.v, c.v), pos=back(f.pos, c.pos),
+          f.replace(k=f.k.at[..., :n].set(c.k), v=back(f.v, c.v), pos=back(f.pos, c.pos),
                     score=None if f.score is None else back(f.score, c.score),
                     evicted_at=c.evicted_at)
           for f, c in zip(full, s.caches)))
