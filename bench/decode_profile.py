@@ -113,7 +113,7 @@ def profile(dtype: str, *, B: int = 8, P: int = 128, N: int = 128, cache=CacheCo
   jax.block_until_ready(run_phase("decode", graphdef, state, ids, lens, carry=carry, **kw).tokens)
   hlo = sampler_lib._decode_jit.lower(  # pylint: disable=protected-access
       graphdef, state, ids, lens, kw["key"], carry, scfg=scfg, ccfg=cache,
-      attn_impl="auto").compile().as_text()
+      bcfg=sampler_lib.BatchingConfig(), attn_impl="auto").compile().as_text()
   names = _op_names(hlo)
   tmp = tempfile.mkdtemp(prefix="decode_profile_")
   try:
