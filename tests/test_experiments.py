@@ -24,13 +24,20 @@ TINY = ["warmup.steps=10", "warmup.batch_size=16", "task.synthetic.max_operands=
         "task.synthetic.max_value=9", "rl.group_size=4", "export_hf=False"]
 
 
-def _run(script, tmp, *args):
-  sets = [a for s in TINY + [f"warmup.cache_dir={tmp}/base"] for a in ("--set", s)]
+def _run(script, tmp, shared_run, *args, shared_base=False):
+  """The experiment as a process, with the session's persistent compilation cache (its cells
+  are trainer subprocesses that compile the same programs); shared_base: start from the
+  session's tiny_trm base model (only for a script whose config is tiny_trm's) instead of
+  warming up a base of its own."""
+  if shared_base:
+    sets = shared_run.cli_args(flag="") + [a for s in TINY[4:] for a in ("--set", s)]
+  else:
+    sets = [a for s in TINY + [f"warmup.cache_dir={tmp}/base"] for a in ("--set", s)]
   p = subprocess.run([sys.executable, "-m", f"experiments.{script}",
                       "--workdir", str(tmp / "w"), "--out", str(tmp / "out"), "--steps", "2",
                       "--batch", "8", "--eval-problems", "4", "--parallel", "1", "--seeds", "0",
                       *sets, *args],
-                     cwd=ROOT, capture_output=True, text=True, timeout=900)
+                     cwd=ROOT, capture_output=True, text=True, timeout=900, env=shared_run.env())
   assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
   return p.stdout
 
@@ -46,10 +53,10 @@ def _cell(summary: str, method: str, col: int) -> str:
   return line.split(" | ")[col].rstrip(" |")
 
 
-def test_trm_mismatch_end_to_end(tmp_path):
+def test_trm_mismatch_end_to_end(tmp_path, shared_run):
   # One method and the frozen control keep the suite short; the method table and claims code
   # are the same for nine.
-  out = _run("trm_mismatch", tmp_path, "--methods", "trm_max_kl,frozen")
+  out = _run("trm_mismatch", tmp_path, shared_run, "--methods", "trm_max_kl,frozen")
   with open(tmp_path / "out" / "results.csv") as f:
     rows = {r["cell"]: r for r in csv.DictReader(f)}
   assert set(rows) == {"method=trm_max_kl,seed=0", "method=frozen,seed=0"}
@@ -74,8 +81,8 @@ def test_trm_mismatch_end_to_end(tmp_path):
   assert "## The paper's claims on these runs" in summary
 
 
-def test_smd_compression_end_to_end(tmp_path):
-  _run("smd_compression", tmp_path, "--policies", "h2o", "--ratios", "0.5",
+def test_smd_compression_end_to_end(tmp_path, shared_run):
+  _run("smd_compression", tmp_path, shared_run, "--policies", "h2o", "--ratios", "0.5",
        "--methods", "naive,smd@0.1", "--lambdas", "", "--skip-memory")
   with open(tmp_path / "out" / "results.csv") as f:
     rows = {r["cell"]: r for r in csv.DictReader(f)}
@@ -102,8 +109,9 @@ def test_smd_compression_end_to_end(tmp_path):
   assert "(skipped)" in summary.split("## Learner memory")[1].split("##")[0]
 
 
-def test_staleness_end_to_end(tmp_path):
-  _run("staleness", tmp_path, "--methods", "trm_max_kl", "--staleness", "0,1")
+def test_staleness_end_to_end(tmp_path, shared_run):
+  _run("staleness", tmp_path, shared_run, "--methods", "trm_max_kl", "--staleness", "0,1",
+       shared_base=True)
   with open(tmp_path / "out" / "results.csv") as f:
     rows = {r["cell"]: r for r in csv.DictReader(f)}
   assert set(rows) == {"method=trm_max_kl,k=0,seed=0", "method=trm_max_kl,k=1,seed=0",
