@@ -135,6 +135,12 @@ def _trainer_args(tmp, workdir):
           f"--config.warmup.cache_dir={tmp}/base"]
 
 
+# The trainer runs of the two-process test compile at XLA's optimisation level 0, as every
+# trainer subprocess of the suite does (tests/conftest.py): all of them, the one-process
+# reference included, so each comparison is between programs compiled at one level.
+TRAINER_OPT = "--xla_backend_optimization_level=0"
+
+
 def _two_processes(tmp, workdir, **extra_env):
   """Runs the trainer as two processes of one job, started from SLURM's variables alone (what
   `srun -n 2` sets); returns [(exit code, output)] per process.
@@ -143,7 +149,8 @@ def _two_processes(tmp, workdir, **extra_env):
   job_id = _free_slurm_job_id()
   procs = []
   for i in range(2):
-    env = dict(_slurm_env(i, job_id), XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(_slurm_env(i, job_id),
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {TRAINER_OPT}",
                JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
                JAX_COMPILATION_CACHE_DIR=f"{tmp}/xla_cache",
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -201,7 +208,7 @@ def test_trainer_in_two_processes_from_srun_variables_matches_one_process(tmp_pa
     first = next(l for l in log.splitlines() if "multi-host start-up" in l)
     assert first.endswith(f"multi-host start-up: SlurmCluster (JAX's cluster detection): "
                           f"process {i} of 2, 2 local of 4 devices"), first
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {TRAINER_OPT}",
              JAX_PLATFORMS="cpu")
   p = subprocess.run(_trainer_args(tmp, single), cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=2 * TIMEOUT)
