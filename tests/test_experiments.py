@@ -20,8 +20,9 @@ from experiments import report  # the repository root is on sys.path (tests run 
 
 pytestmark = pytest.mark.slow
 
+RUN = ["rl.group_size=4", "export_hf=False"]          # every run's settings
 TINY = ["warmup.steps=10", "warmup.batch_size=16", "task.synthetic.max_operands=3",
-        "task.synthetic.max_value=9", "rl.group_size=4", "export_hf=False"]
+        "task.synthetic.max_value=9", *RUN]             # with a base model of its own
 
 
 def _run(script, tmp, shared_run, *args, shared_base=False):
@@ -30,7 +31,7 @@ def _run(script, tmp, shared_run, *args, shared_base=False):
   session's tiny_trm base model (only for a script whose config is tiny_trm's) instead of
   warming up a base of its own."""
   if shared_base:
-    sets = shared_run.cli_args(flag="") + [a for s in TINY[4:] for a in ("--set", s)]
+    sets = shared_run.cli_args(flag="") + [a for s in RUN for a in ("--set", s)]
   else:
     sets = [a for s in TINY + [f"warmup.cache_dir={tmp}/base"] for a in ("--set", s)]
   p = subprocess.run([sys.executable, "-m", f"experiments.{script}",

@@ -119,7 +119,8 @@ def _cache(pos, score, T):
   pos = jnp.asarray(pos, jnp.int32)[None, None]                          # [1, 1, C]
   C = pos.shape[-1]
   z = jnp.zeros((1, 1, C, 1))
-  return kv_cache.KVCache(k=jnp.zeros((1, 1, 1, C)), v=z, pos=pos, score=jnp.asarray(score, jnp.float32)[None, None],
+  return kv_cache.KVCache(k=jnp.zeros((1, 1, 1, C)), v=z, pos=pos,
+                          score=jnp.asarray(score, jnp.float32)[None, None],
                           evicted_at=jnp.full((1, 1, T), NEVER_EVICTED, jnp.int32))
 
 
