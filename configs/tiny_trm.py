@@ -73,7 +73,7 @@ def get_config(arg=None):
                                    #   same as task.name (dapo_math training, aime evaluation)
   c.task.synthetic = ml_collections.ConfigDict(dict(
       min_operands=2, max_operands=6, min_value=1, max_value=19, allow_subtraction=False,
-      show_every=1, answer_format="####", filler=0))
+      show_every=1, answer_format="####", filler=0, distinct=False))
   c.task.max_prompt_len = 0        # 0 = derived from the synthetic task (its longest
                                    #   chat-formatted prompt); file tasks must set it
   c.task.max_new_tokens = 0        # 0 = derived from the synthetic task (its longest

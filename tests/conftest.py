@@ -42,7 +42,7 @@ def shared_run(tmp_path_factory):
 # from the file's docstring); every other file follows in collection order. A new file that
 # takes more than ~30 s belongs in this list, by its length.
 LONG_FILES_FIRST = (
-    "test_experiments.py",     # three experiment scripts end to end: 110 s quiet
+    "test_experiments.py",     # four experiment scripts end to end: ~110 s each quiet
     "test_slurm.py",           # a real scheduler: ~120 s in CI (skips without slurm-wlm)
     "test_smd.py",             # ~100 s (its docstring)
     "test_distributed.py",     # two-process trainer runs: 93 s loaded

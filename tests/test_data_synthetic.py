@@ -20,6 +20,7 @@ CONFIGS = [
     SyntheticConfig(show_every=0, min_value=0, max_value=20),
     SyntheticConfig(max_operands=6, max_value=19, filler=2),
     SyntheticConfig(max_operands=5, max_value=99, allow_subtraction=True, filler=1),
+    SyntheticConfig(min_operands=10, max_operands=18, min_value=10, max_value=99, distinct=True),
 ]
 
 
@@ -86,6 +87,18 @@ def test_filler_only_spaces_the_prompt():
     assert b.prompt.count(" ") == 6 * a.prompt.count("+")
   with pytest.raises(ValueError, match="filler"):
     SyntheticConfig(filler=-1)
+
+
+def test_distinct_operands_are_distinct_and_cover_the_range():
+  cfg = SyntheticConfig(min_operands=5, max_operands=5, min_value=3, max_value=7, distinct=True)
+  seen = set()
+  for i in range(50):
+    ops = [int(x) for x in problem_at(cfg, 2, i).prompt.split("+")]
+    assert sorted(ops) == [3, 4, 5, 6, 7]      # 5 distinct of 5 values: a permutation
+    seen.add(tuple(ops))
+  assert len(seen) > 30
+  with pytest.raises(ValueError, match=r"distinct needs at least max_operands \(6\) values"):
+    SyntheticConfig(max_operands=6, min_value=3, max_value=7, distinct=True)
 
 
 def test_deterministic_by_seed_and_index():

@@ -1,4 +1,4 @@
-"""The two experiment scripts end to end at a tiny size, and their report arithmetic.
+"""The experiment scripts end to end at a tiny size, and their report arithmetic.
 
 Each script runs as a real process (real warm-up, real trainer cells through the sweep runner)
 and must write results.csv, its plots and summary.md; the summary's numbers are recomputed
@@ -130,6 +130,63 @@ def test_staleness_end_to_end(tmp_path, shared_run):
   line = next(l for l in summary.splitlines() if l.startswith("| trm_max_kl | 1 |"))
   assert line.split(" | ")[2] == f"{np.mean([r['trm/delta_hat'] for r in recs]):.3f}"
   assert "## What these runs show" in summary
+
+
+# The long-horizon config on the session's shared base: its task set back to the base's.
+LONG_ON_SHARED_BASE = ["task.synthetic.min_operands=2", "task.synthetic.min_value=1",
+                       "task.synthetic.distinct=False"]
+
+
+def test_trm_long_horizon_end_to_end(tmp_path, shared_run):
+  # The sweep at one mismatch with one token-level method, then the comparison at the chosen
+  # setting with methods whose runs the sweep already made, plus the control: three runs.
+  out = _run("trm_long_horizon", tmp_path, shared_run, "--settings", "noise_1.0",
+             "--sweep-methods", "ppo_clip", "--methods", "exact,ppo_clip,frozen",
+             *[a for s in LONG_ON_SHARED_BASE for a in ("--set", s)], shared_base=True)
+  with open(tmp_path / "out" / "results.csv") as f:
+    rows = {r["cell"]: r for r in csv.DictReader(f)}
+  assert set(rows) == {"method=exact,seed=0", "setting=noise_1.0,method=ppo_clip,seed=0",
+                       "setting=noise_1.0,method=frozen,seed=0"}
+  assert rows["setting=noise_1.0,method=ppo_clip,seed=0"]["rollout.logit_noise"] == "1.0"
+  with open(tmp_path / "w" / "cells" / "method=exact,seed=0" / "config.json") as f:
+    exact_rollout = json.load(f)["rollout"]   # the config's own sampler: no override
+  assert (exact_rollout["dtype"], exact_rollout["logit_noise"]) == ("float32", 0.0)
+  got = json.loads((tmp_path / "out" / "summary.json").read_text())
+  assert got["setting"]["name"] == "noise_1.0" and set(got["methods"]) == {
+      "exact", "ppo_clip", "frozen"}
+  for m, cell in (("exact", "method=exact,seed=0"),
+                  ("ppo_clip", "setting=noise_1.0,method=ppo_clip,seed=0")):
+    r = rows[cell]
+    assert got["methods"][m]["heldout_gain_mean"] == pytest.approx(
+        float(r["eval/avg@4"]) - float(r["eval_first/avg@4"]))
+    assert got["methods"][m]["seeds"] == 1 and got["methods"][m]["heldout_gain_se"] is None
+    with open(tmp_path / "w" / "cells" / cell / "metrics.jsonl") as f:
+      lens = [json.loads(line)["response_len"] for line in f if '"reward"' in line]
+    assert got["methods"][m]["mean_response_len"] == pytest.approx(np.mean(lens))
+  assert got["methods"]["frozen"]["heldout_gain_mean"] == 0.0   # lr 0: bitwise unchanged
+  summary = (tmp_path / "out" / "summary.md").read_text()
+  assert summary in out and "## The sweep" in summary and "## The paper's claims" in summary
+  assert (tmp_path / "out" / "sweep.md").read_text().strip() in summary
+  assert os.path.getsize(tmp_path / "out" / "curves.png") > 0
+
+
+def test_trm_long_horizon_chooses_the_mildest_breaking_setting():
+  from experiments import trm_long_horizon as lh  # pylint: disable=g-import-not-at-top
+  exact = {"gain": [0.2, 0.2]}
+  st = lambda g: {"gain": [g, g]}
+  # bf16 keeps 90 % and 60 %; noise_0.3 keeps 40 % with TIS: the mildest that breaks.
+  sw = {("ppo_clip", "bf16"): st(0.18), ("tis", "bf16"): st(0.12),
+        ("ppo_clip", "noise_0.3"): st(0.15), ("tis", "noise_0.3"): st(0.08),
+        ("ppo_clip", "noise_1.0"): st(-0.1), ("tis", "noise_1.0"): st(0.0)}
+  setting, why = lh.choose_setting(sw, exact)
+  assert setting == "noise_0.3" and "(40%)" in why
+  # Nothing breaks: the setting that keeps least, and the reason says so.
+  sw = {k: v for k, v in sw.items() if k[1] != "noise_1.0" and k[1] != "noise_0.3"}
+  setting, why = lh.choose_setting(sw, exact)
+  assert setting == "bf16" and why.startswith("no setting broke") and "(60%)" in why
+  # No exact gain: no fraction to compare; the strongest mismatch swept, saying why.
+  setting, why = lh.choose_setting(sw | {("tis", "noise_1.0"): st(0.0)}, {"gain": [0.0]})
+  assert setting == "noise_1.0" and why.startswith("the exact sampler gained nothing")
 
 
 def test_report_helpers():

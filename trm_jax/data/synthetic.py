@@ -17,11 +17,16 @@ mostly not. That gives GRPO groups with mixed rewards (non-zero advantages), and
 compounds over the horizon, which is what RL can improve in minutes.
 
 Knobs (`SyntheticConfig`): operand count (the horizon), value range (digits, hence carries),
-subtraction, `show_every` (operands folded per written step; 0 = answer only, no worked
+`distinct` operands, subtraction, `show_every` (operands folded per written step; 0 = answer only, no worked
 solution), the answer format (`#### N` or `\\boxed{N}`, both read by `math_reward`), and
 `filler` (spaces around each operator in the prompt). Filler gives a KV-cache policy tokens it
 can drop without losing the problem: at 50 % compression a filler-free prompt loses operands
 and a tiny model scores 0, so the SMD experiments use filler = 2.
+
+Long horizons need `distinct`. With repeated values, "the operand after the one just added"
+is ambiguous, and a 2-layer model warmed up on 12-24 operands of 1-19 writes the same operand
+over and over (held-out accuracy about 0.01); with distinct two-digit operands each value
+names one place in the prompt and the same model learns the lookup (configs/tiny_trm_long.py).
 
 Determinism: `problem_at(config, seed, index)` is a pure function of its arguments (numpy
 `SeedSequence([seed, index])`), so a data position is one integer: checkpoint `index` and resume
@@ -68,6 +73,9 @@ class SyntheticConfig:
   answer_format: str = "####"      # "####" -> "#### N"; "boxed" -> "\boxed{N}"
   filler: int = 0                  # spaces around each operator in the prompt: tokens a
                                    #   KV-cache policy can evict without losing the problem
+  distinct: bool = False           # operands drawn without replacement: each names one place
+                                   #   in the prompt, so "the operand after the one just
+                                   #   added" is a lookup an induction head can make
 
   def __post_init__(self):
     if self.min_operands < 2:
@@ -82,6 +90,10 @@ class SyntheticConfig:
       raise ValueError(f"SyntheticConfig.show_every must be >= 0, got {self.show_every}")
     if self.filler < 0:
       raise ValueError(f"SyntheticConfig.filler must be >= 0, got {self.filler}")
+    if self.distinct and self.max_value - self.min_value + 1 < self.max_operands:
+      raise ValueError(f"SyntheticConfig.distinct needs at least max_operands "
+                       f"({self.max_operands}) values in [min_value, max_value], got "
+                       f"[{self.min_value}, {self.max_value}]")
     if self.answer_format not in ("####", "boxed"):
       raise ValueError(f"SyntheticConfig.answer_format must be '####' or 'boxed', got "
                        f"{self.answer_format!r}")
@@ -117,7 +129,11 @@ def problem_at(config: SyntheticConfig, seed: int, index: int) -> Problem:
     raise ValueError(f"seed and index must be >= 0, got seed={seed}, index={index}")
   rng = np.random.default_rng(np.random.SeedSequence([seed, index]))
   n = int(rng.integers(config.min_operands, config.max_operands + 1))
-  operands = [int(v) for v in rng.integers(config.min_value, config.max_value + 1, size=n)]
+  if config.distinct:
+    operands = [int(v) + config.min_value for v in
+                rng.choice(config.max_value - config.min_value + 1, size=n, replace=False)]
+  else:
+    operands = [int(v) for v in rng.integers(config.min_value, config.max_value + 1, size=n)]
   if config.allow_subtraction:
     ops = ["+" if b else "-" for b in rng.integers(0, 2, size=n - 1)]
   else:

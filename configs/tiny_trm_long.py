@@ -1,0 +1,31 @@
+r"""A long-horizon task with headroom: the TRM experiment's base (experiments/trm_long_horizon.py).
+
+  python -m trm_jax.train --config configs/tiny_trm_long.py --workdir /tmp/trm_long
+
+Running sums of 10-18 distinct two-digit operands, every step written out ("313+86=399"), so a
+solution is 100-210 tokens and one slip anywhere makes the answer wrong: a per-step accuracy p
+gives about p^steps, the regime where a sequence's trust region matters (TRM paper Sec. 3).
+The operands are distinct, so the next operand is "the one after the operand just added", a
+lookup a 2-layer model can learn; with repeated values it cannot (it writes the same operand
+again). The sampler is exact here (fp32, no logit noise, synchronous): the experiment adds the
+mismatch. The base model is the same 2-layer decoder as the main job's, warmed up on this task.
+"""
+from trm_jax import config as config_lib
+
+tiny_trm = config_lib.shipped_module("tiny_trm")
+
+
+def get_config(arg=None):
+  c = tiny_trm.get_config(arg)
+  c.total_steps = 300
+  c.eval_every = 50
+  c.ckpt_every = 50
+  c.export_hf = False
+  c.warmup.cache_dir = "~/.cache/trm_jax/tiny_long_base"
+  c.task.synthetic.update(dict(min_operands=10, max_operands=18, min_value=10, max_value=99,
+                               distinct=True))
+  c.rollout.dtype = "float32"
+  c.rollout.logit_noise = 0.0
+  c.trm.criteria = ()
+  c.rl.objective = "ppo_clip"
+  return c
