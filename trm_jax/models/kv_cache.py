@@ -16,6 +16,7 @@ log-probs equal the teacher-forced ones to float rounding.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Protocol, Tuple
 
 import jax
@@ -88,6 +89,58 @@ def _update(buf: jax.Array, new: jax.Array, put) -> jax.Array:
   return out if out.dtype == buf.dtype else jax.lax.bitcast_convert_type(out, buf.dtype)
 
 
+# The axis that holds the C slots in each per-slot field (keys are stored slots-last, see
+# `KVCache.k`). Every cut, write and restart of slots reads it here.
+SLOT_AXIS = {"k": 3, "v": 2, "pos": 2, "score": 2}
+
+
+def _slot_index(name: str, *index) -> tuple:
+  """The index tuple that puts `index` (a slot, or (rows, heads, slot)) on `name`'s axes:
+  (b, h, slot) for v/pos/score, (b, h, :, slot) for k."""
+  *lead, slot = index
+  return (*lead, *(slice(None),) * (SLOT_AXIS[name] - len(lead)), slot)
+
+
+def _per_slot(cache: KVCache) -> dict:
+  return {n: getattr(cache, n) for n in SLOT_AXIS if getattr(cache, n) is not None}
+
+
+def empty(B: int, K: int, H: int, C: int, T: int, dtype, *, keeps_score: bool,
+          never: int) -> KVCache:
+  """B rows of C empty slots (pos -1) and a retention record of T indices, all `never`."""
+  return KVCache(k=jnp.zeros((B, K, H, C), dtype), v=jnp.zeros((B, K, C, H), dtype),
+                 pos=jnp.full((B, K, C), -1, jnp.int32),
+                 score=jnp.zeros((B, K, C), jnp.float32) if keeps_score else None,
+                 evicted_at=jnp.full((B, K, T), never, jnp.int32))
+
+
+def first_slots(cache: KVCache, n: int) -> KVCache:
+  """The cache cut to its first n slots (decoding over fewer slots; the record is kept)."""
+  return cache.replace(**{k: x[_slot_index(k, slice(0, n))] for k, x in _per_slot(cache).items()})
+
+
+def put_first_slots(cache: KVCache, part: KVCache) -> KVCache:
+  """`cache` with its first n slots (n = part's slot count) and its record taken from `part`
+  (what `first_slots` cut, after decoding on it)."""
+  n = part.pos.shape[-1]
+  return cache.replace(
+      **{k: x.at[_slot_index(k, slice(0, n))].set(getattr(part, k))
+         for k, x in _per_slot(cache).items()}, evicted_at=part.evicted_at)
+
+
+def restart_rows(cache: KVCache, new: KVCache, take: jax.Array) -> KVCache:
+  """`cache` with the rows `take` [B] restarted from `new`: its Cp slots first, the other
+  slots emptied (pos -1, score 0), its retention record."""
+  Cp, C = new.pos.shape[-1], cache.pos.shape[-1]
+  pad = lambda k, x, v: jnp.pad(x, [(0, C - Cp) if a == SLOT_AXIS[k] else (0, 0)
+                                    for a in range(x.ndim)], constant_values=v)
+  fill = {"pos": -1}
+  pick = lambda x, y: jnp.where(take.reshape((-1,) + (1,) * (x.ndim - 1)), y, x)
+  return cache.replace(
+      **{k: pick(x, pad(k, getattr(new, k), fill.get(k, 0))) for k, x in _per_slot(cache).items()},
+      evicted_at=pick(cache.evicted_at, new.evicted_at))
+
+
 def write(cache: KVCache, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
           index: jax.Array) -> KVCache:
   """Writes the key at array index `index` into `slot` (see `CachePolicy.free_slot`).
@@ -99,28 +152,20 @@ def write(cache: KVCache, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
     index: [] or [B] int32 array index of the new key.
   """
   B, K = cache.pos.shape[:2]
-  if jnp.ndim(slot) == 0:
-    at = (0, 0, slot)
-    dus = lambda buf, new: jax.lax.dynamic_update_slice(buf, new, at + (0,) * (buf.ndim - 3))
-    dus_k = lambda buf, new: jax.lax.dynamic_update_slice(buf, new, (0, 0, 0, slot))
-    score = None if cache.score is None else dus(cache.score, jnp.zeros((B, K, 1), jnp.float32))
-    return cache.replace(
-        k=_update(cache.k, k_new[:, :, :, None], dus_k),
-        v=_update(cache.v, v_new[:, :, None], dus),
-        pos=dus(cache.pos, jnp.broadcast_to(jnp.asarray(index, jnp.int32), (B, K, 1))),
-        score=score)
-  b = jnp.arange(B)[:, None]
-  h = jnp.arange(K)[None, :]
-  scatter = lambda buf, new: buf.at[b, h, slot].set(new, mode="drop")
-  scatter_k = lambda buf, new: buf.at[b, h, :, slot].set(new, mode="drop")   # new [B, K, H]
   index = jnp.asarray(index, jnp.int32)
-  index = index[:, None] if index.ndim == 1 else index
-  return cache.replace(
-      k=_update(cache.k, k_new, scatter_k),
-      v=_update(cache.v, v_new, scatter),
-      pos=scatter(cache.pos, jnp.broadcast_to(index, (B, K))),
-      score=None if cache.score is None else scatter(cache.score, jnp.zeros((B, K),
-                                                                            jnp.float32)))
+  new = {"k": k_new, "v": v_new,
+         "pos": jnp.broadcast_to(index[:, None] if index.ndim == 1 else index, (B, K)),
+         "score": jnp.zeros((B, K), jnp.float32)}
+  if jnp.ndim(slot) == 0:
+    # One dynamic_update_slice per field: the new values as a one-slot block at `slot`.
+    put = lambda k, buf, x: jax.lax.dynamic_update_slice(
+        buf, jnp.expand_dims(x, SLOT_AXIS[k]),
+        [slot if a == SLOT_AXIS[k] else 0 for a in range(buf.ndim)])
+  else:
+    b, h = jnp.arange(B)[:, None], jnp.arange(K)[None, :]
+    put = lambda k, buf, x: buf.at[_slot_index(k, b, h, slot)].set(x, mode="drop")
+  return cache.replace(**{k: _update(buf, new[k], functools.partial(put, k))
+                          for k, buf in _per_slot(cache).items()})
 
 
 def attend(q: jax.Array, cache: KVCache, *, scale: Optional[float] = None):

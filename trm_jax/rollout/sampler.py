@@ -90,6 +90,7 @@ from flax import nnx, struct
 
 from trm_jax import rng
 from trm_jax.kernels.visibility import NEVER_EVICTED, Visibility
+from trm_jax.models import kv_cache
 from trm_jax.models.kv_cache import KVCache
 from trm_jax.models.protocol import CausalLM
 from trm_jax.rollout import cache as kv
@@ -421,10 +422,8 @@ def _prefill(g: _Call, prompt_ids, attn_impl: str) -> DecodeState:
   policy = g.policy.cfg.eviction_policy
   keeps_score = policy is not None and policy.keeps_score
   kv_dtype = records[0].k.dtype
-  empty = KVCache(k=jnp.zeros((S, K, H, C), kv_dtype), v=jnp.zeros((S, K, C, H), kv_dtype),
-                  pos=jnp.full((S, K, C), -1, jnp.int32),
-                  score=jnp.zeros((S, K, C), jnp.float32) if keeps_score else None,
-                  evicted_at=jnp.full((S, K, T), NEVER_EVICTED, jnp.int32))
+  empty = kv_cache.empty(S, K, H, C, T, kv_dtype, keeps_score=keeps_score,
+                         never=NEVER_EVICTED)
   none = jnp.zeros((S,), jnp.int32)
   s = DecodeState(steps=jnp.int32(0), next_row=jnp.int32(0), row=jnp.full((S,), B, jnp.int32),
                   index=jnp.full((S,), P, jnp.int32), tok=none, active=jnp.zeros((S,), bool),
@@ -458,7 +457,7 @@ def _load(g: _Call, s: DecodeState) -> DecodeState:
   u = r // G
   pol = g.policy.with_slots(rows=r, start=g.start[r], keep=g.keep[r], budget=g.budget[r],
                             active=take)
-  caches = tuple(_merge(c, pol.load(l, rec, u, g.valid[r]), take)
+  caches = tuple(kv_cache.restart_rows(c, pol.load(l, rec, u, g.valid[r]), take)
                  for l, (c, rec) in enumerate(zip(s.caches, s.prompts)))
   query = jnp.full(r.shape, P - 1, jnp.int32)
   tok, logp, dist, ent = g.next_token(s.h_prompt[u], r, query)
@@ -475,23 +474,6 @@ def _load(g: _Call, s: DecodeState) -> DecodeState:
       active=jnp.where(free, take & ~first_done, s.active),
       start=pick(pol.start, s.start),
       budget=pick(pol.budget, s.budget), caches=caches, out=out)
-
-
-def _merge(cache: KVCache, new: KVCache, take: jax.Array) -> KVCache:
-  """cache with the slots `take` [S] restarted from `new` (their first Cp slots and their
-  retention record; the other slots emptied: pos -1)."""
-  Cp, C = new.pos.shape[-1], cache.pos.shape[-1]
-  t3, t4 = take[:, None, None], take[:, None, None, None]
-  head = lambda buf, val: buf.at[:, :, :Cp].set(jnp.where(t4, val, buf[:, :, :Cp]))
-  head_k = lambda buf, val: buf.at[..., :Cp].set(jnp.where(t4, val, buf[..., :Cp]))  # [S,K,H,C]
-  pos = jnp.concatenate([new.pos, jnp.full(new.pos.shape[:2] + (C - Cp,), -1, jnp.int32)], -1)
-  score = None
-  if cache.score is not None:
-    sc = jnp.pad(new.score, ((0, 0), (0, 0), (0, C - Cp)))
-    score = jnp.where(t3, sc, cache.score)
-  return cache.replace(k=head_k(cache.k, new.k), v=head(cache.v, new.v),
-                       pos=jnp.where(t3, pos, cache.pos), score=score,
-                       evicted_at=jnp.where(t3, new.evicted_at, cache.evicted_at))
 
 
 def _run_chunk(g: _Call, n: int, s: DecodeState) -> DecodeState:
@@ -557,17 +539,11 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
   for n in kv.slot_buckets(C, block=g.bcfg.bucket):
     full = s.caches
     if n < C:
-      s = s.replace(caches=tuple(c.replace(
-          k=c.k[..., :n], v=c.v[:, :, :n], pos=c.pos[:, :, :n],
-          score=None if c.score is None else c.score[:, :, :n]) for c in full))
+      s = s.replace(caches=tuple(kv_cache.first_slots(c, n) for c in full))
       s = jax.lax.while_loop(lambda s, n=n: more(s) & fits(s, n),
                              functools.partial(chunk_then_refill, n), s)
-      back = lambda buf, part: buf.at[:, :, :n].set(part)
-      s = s.replace(caches=tuple(
-          f.replace(k=f.k.at[..., :n].set(c.k), v=back(f.v, c.v), pos=back(f.pos, c.pos),
-                    score=None if f.score is None else back(f.score, c.score),
-                    evicted_at=c.evicted_at)
-          for f, c in zip(full, s.caches)))
+      s = s.replace(caches=tuple(kv_cache.put_first_slots(f, c)
+                                 for f, c in zip(full, s.caches)))
     else:
       s = jax.lax.while_loop(more, functools.partial(chunk_then_refill, n), s)
 
