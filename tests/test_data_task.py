@@ -54,11 +54,13 @@ def test_derived_sizes_of_the_tiny_configs_are_unchanged(tok, name, P, R):
 
 
 SYN = st.builds(
-    lambda lo, extra, vmin, vmax_extra, sub, show, fmt, filler: dict(
+    lambda lo, extra, vmin, vmax_extra, sub, show, fmt, filler, dist: dict(
         min_operands=lo, max_operands=lo + extra, min_value=vmin, max_value=vmin + vmax_extra,
-        allow_subtraction=sub, show_every=show, answer_format=fmt, filler=filler),
+        allow_subtraction=sub, show_every=show, answer_format=fmt, filler=filler,
+        distinct=dist and vmax_extra + 1 >= lo + extra),   # distinct needs enough values
     st.integers(2, 4), st.integers(0, 4), st.integers(0, 20), st.integers(0, 990),
-    st.booleans(), st.integers(0, 3), st.sampled_from(["####", "boxed"]), st.integers(0, 3))
+    st.booleans(), st.integers(0, 3), st.sampled_from(["####", "boxed"]), st.integers(0, 3),
+    st.booleans())
 
 
 @settings(max_examples=40, deadline=None)

@@ -43,10 +43,21 @@ def _run(script, tmp, shared_run, *args, shared_base=False):
   return p.stdout
 
 
-def _first_last_reward(tmp, cell):
+def _results(tmp) -> dict:
+  """OUT/results.csv: cell name -> its row."""
+  with open(tmp / "out" / "results.csv") as f:
+    return {r["cell"]: r for r in csv.DictReader(f)}
+
+
+def _step_records(tmp, cell) -> list[dict]:
+  """The training steps' records of a cell's metrics.jsonl (evaluation-only lines left out)."""
   with open(tmp / "w" / "cells" / cell / "metrics.jsonl") as f:
-    rewards = [json.loads(line).get("reward") for line in f]
-  return report.first_last_mean(np.array([r for r in rewards if r is not None]))
+    return [r for r in map(json.loads, f) if "reward" in r]
+
+
+def _first_last_reward(tmp, cell):
+  rewards = [r["reward"] for r in _step_records(tmp, cell)]
+  return report.first_last_mean(np.array([r for r in rewards if r is not None], float))
 
 
 def _cell(summary: str, method: str, col: int) -> str:
@@ -58,8 +69,7 @@ def test_trm_mismatch_end_to_end(tmp_path, shared_run):
   # One method and the frozen control keep the suite short; the method table and claims code
   # are the same for nine.
   out = _run("trm_mismatch", tmp_path, shared_run, "--methods", "trm_max_kl,frozen")
-  with open(tmp_path / "out" / "results.csv") as f:
-    rows = {r["cell"]: r for r in csv.DictReader(f)}
+  rows = _results(tmp_path)
   assert set(rows) == {"method=trm_max_kl,seed=0", "method=frozen,seed=0"}
   assert rows["method=trm_max_kl,seed=0"]["rl.objective"] == "trm_surrogate"
   assert rows["method=trm_max_kl,seed=0"]["trm.criteria"] == "trm_max_kl"
@@ -85,8 +95,7 @@ def test_trm_mismatch_end_to_end(tmp_path, shared_run):
 def test_smd_compression_end_to_end(tmp_path, shared_run):
   _run("smd_compression", tmp_path, shared_run, "--policies", "h2o", "--ratios", "0.5",
        "--methods", "naive,smd@0.1", "--lambdas", "", "--skip-memory")
-  with open(tmp_path / "out" / "results.csv") as f:
-    rows = {r["cell"]: r for r in csv.DictReader(f)}
+  rows = _results(tmp_path)
   assert set(rows) == {"method=dense,seed=0", "method=naive,h2o_0.5,seed=0",
                        "method=smd_0.1,h2o_0.5,seed=0"}
   summary = (tmp_path / "out" / "summary.md").read_text()
@@ -113,18 +122,15 @@ def test_smd_compression_end_to_end(tmp_path, shared_run):
 def test_staleness_end_to_end(tmp_path, shared_run):
   _run("staleness", tmp_path, shared_run, "--methods", "trm_max_kl", "--staleness", "0,1",
        shared_base=True)
-  with open(tmp_path / "out" / "results.csv") as f:
-    rows = {r["cell"]: r for r in csv.DictReader(f)}
+  rows = _results(tmp_path)
   assert set(rows) == {"method=trm_max_kl,k=0,seed=0", "method=trm_max_kl,k=1,seed=0",
                        "method=frozen,seed=0"}
   assert rows["method=trm_max_kl,k=1,seed=0"]["rl.staleness"] == "1"
   # Step 2 of a k = 1 run is sampled by version 0 while the learner is at version 1.
-  with open(tmp_path / "w" / "cells" / "method=trm_max_kl,k=1,seed=0" / "metrics.jsonl") as f:
-    recs = [json.loads(line) for line in f if '"reward"' in line]
+  recs = _step_records(tmp_path, "method=trm_max_kl,k=1,seed=0")
   assert [r["rollout/staleness"] for r in recs] == [0.0, 1.0]
   # Staleness is the only mismatch: at k = 0 sampler and learner agree to rounding.
-  with open(tmp_path / "w" / "cells" / "method=trm_max_kl,k=0,seed=0" / "metrics.jsonl") as f:
-    recs0 = [json.loads(line) for line in f if '"reward"' in line]
+  recs0 = _step_records(tmp_path, "method=trm_max_kl,k=0,seed=0")
   assert max(r["trm/delta_hat"] for r in recs0) < 1e-5
   summary = (tmp_path / "out" / "summary.md").read_text()
   line = next(l for l in summary.splitlines() if l.startswith("| trm_max_kl | 1 |"))
@@ -143,8 +149,7 @@ def test_trm_long_horizon_end_to_end(tmp_path, shared_run):
   out = _run("trm_long_horizon", tmp_path, shared_run, "--settings", "noise_1.0",
              "--sweep-methods", "ppo_clip", "--methods", "exact,ppo_clip,frozen",
              *[a for s in LONG_ON_SHARED_BASE for a in ("--set", s)], shared_base=True)
-  with open(tmp_path / "out" / "results.csv") as f:
-    rows = {r["cell"]: r for r in csv.DictReader(f)}
+  rows = _results(tmp_path)
   assert set(rows) == {"method=exact,seed=0", "setting=noise_1.0,method=ppo_clip,seed=0",
                        "setting=noise_1.0,method=frozen,seed=0"}
   assert rows["setting=noise_1.0,method=ppo_clip,seed=0"]["rollout.logit_noise"] == "1.0"
@@ -160,8 +165,7 @@ def test_trm_long_horizon_end_to_end(tmp_path, shared_run):
     assert got["methods"][m]["heldout_gain_mean"] == pytest.approx(
         float(r["eval/avg@4"]) - float(r["eval_first/avg@4"]))
     assert got["methods"][m]["seeds"] == 1 and got["methods"][m]["heldout_gain_se"] is None
-    with open(tmp_path / "w" / "cells" / cell / "metrics.jsonl") as f:
-      lens = [json.loads(line)["response_len"] for line in f if '"reward"' in line]
+    lens = [r["response_len"] for r in _step_records(tmp_path, cell)]
     assert got["methods"][m]["mean_response_len"] == pytest.approx(np.mean(lens))
   assert got["methods"]["frozen"]["heldout_gain_mean"] == 0.0   # lr 0: bitwise unchanged
   summary = (tmp_path / "out" / "summary.md").read_text()

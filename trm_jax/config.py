@@ -368,35 +368,28 @@ def _validate_values(c: ml_collections.ConfigDict) -> None:
     _require(r.tis_cap >= 1.0, ["rl.tis_cap"],
              f"must be >= 1 (rl.objective='tis'; a cap below 1 down-weights on-policy "
              f"tokens), got {r.tis_cap!r}")
-  s = c.task.synthetic
   if c.task.name == "synthetic" or not c.model.path:   # the warm-up trains on it too
-    _require(s.min_operands >= 2, ["task.synthetic.min_operands"],
-             f"must be >= 2, got {s.min_operands!r}")
-    _require(s.max_operands >= s.min_operands,
-             ["task.synthetic.min_operands", "task.synthetic.max_operands"],
-             f"min_operands={s.min_operands} > max_operands={s.max_operands}")
-    _require(0 <= s.min_value <= s.max_value,
-             ["task.synthetic.min_value", "task.synthetic.max_value"],
-             f"need 0 <= min_value <= max_value, got {s.min_value}, {s.max_value}")
-    _require(s.show_every >= 0 and s.filler >= 0,
-             ["task.synthetic.show_every", "task.synthetic.filler"], "must be >= 0")
-    _require(s.answer_format in ("####", "boxed"), ["task.synthetic.answer_format"],
-             f"unknown value {s.answer_format!r}; expected one of ####, boxed")
-  if c.task.name == "synthetic":
-    n = synthetic_problem_count(s)
-    _require(c.eval_problems <= n, ["eval_problems"],
-             f"{c.eval_problems} held-out problems, but task.synthetic can draw only {n} "
-             "distinct problems; lower eval_problems")
+    task = synthetic_config(c.task.synthetic)
+    if c.task.name == "synthetic":
+      n = task.problem_count()
+      _require(c.eval_problems <= n, ["eval_problems"],
+               f"{c.eval_problems} held-out problems, but task.synthetic can draw only {n} "
+               "distinct problems; lower eval_problems")
   if not c.model.path:   # the warm-up builds the base model
     _positive_int(c, "warmup.steps", "warmup.batch_size")
     _non_negative(c, "warmup.lr")
 
 
-def synthetic_problem_count(s: ml_collections.ConfigDict) -> int:
-  """Distinct problems of the synthetic task: operand values ^ operands (x operator choices)."""
-  values = s.max_value - s.min_value + 1
-  ops = 2 if s.allow_subtraction else 1
-  return sum(values ** k * ops ** (k - 1) for k in range(s.min_operands, s.max_operands + 1))
+def synthetic_config(section: ml_collections.ConfigDict):
+  """The `task.synthetic` section as the generator's `SyntheticConfig`, whose checks are the
+  only ones: their errors are reported as task.synthetic.<field>."""
+  from trm_jax.data import synthetic  # pylint: disable=g-import-not-at-top
+  try:
+    return synthetic.SyntheticConfig(**section.to_dict())
+  except synthetic.SyntheticConfigError as e:
+    _require(False, [f"task.synthetic.{f}" for f in e.fields], e.detail)
+  except TypeError as e:   # a key the generator does not have
+    raise ConfigError(f"bad config value [task.synthetic]: {e}") from None
 
 
 def _known_model_limits(c: ml_collections.ConfigDict) -> dict:

@@ -23,6 +23,7 @@ import ml_collections
 import optax
 from flax import nnx
 
+from trm_jax import config as config_lib
 from trm_jax.data import synthetic
 from trm_jax.data.batching import make_sft_batch
 from trm_jax.kernels import Visibility
@@ -35,10 +36,6 @@ MARKER = "warmup.json"
 def _fingerprint(c: ml_collections.ConfigDict) -> dict:
   return {"arch": c.model.arch.to_dict(), "warmup": c.warmup.to_dict(),
           "task": c.task.synthetic.to_dict()}
-
-
-def synthetic_config(c: ml_collections.ConfigDict) -> synthetic.SyntheticConfig:
-  return synthetic.SyntheticConfig(**c.task.synthetic.to_dict())
 
 
 def is_current(path: str, c: ml_collections.ConfigDict) -> bool:
@@ -80,7 +77,7 @@ def base_model_config(c: ml_collections.ConfigDict, tok) -> ModelConfig:
 def build_base_model(c: ml_collections.ConfigDict, out_dir: str, *,
                      log: Callable[[str], None] = print) -> str:
   """Trains the tiny base model by SFT on the synthetic task; writes an HF checkpoint."""
-  task_cfg = synthetic_config(c)
+  task_cfg = config_lib.synthetic_config(c.task.synthetic)
   w = c.warmup
   tmp = tempfile.mkdtemp(prefix=".warmup-", dir=os.path.dirname(os.path.abspath(out_dir)))
   tok = synthetic.make_synthetic_tokenizer(tmp)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import numpy as np
@@ -78,25 +79,41 @@ class SyntheticConfig:
                                    #   added" is a lookup an induction head can make
 
   def __post_init__(self):
-    if self.min_operands < 2:
-      raise ValueError(f"SyntheticConfig.min_operands must be >= 2, got {self.min_operands}")
-    if self.max_operands < self.min_operands:
-      raise ValueError(f"SyntheticConfig.max_operands ({self.max_operands}) must be >= "
-                       f"min_operands ({self.min_operands})")
-    if not 0 <= self.min_value <= self.max_value:
-      raise ValueError(f"SyntheticConfig needs 0 <= min_value <= max_value, got "
-                       f"{self.min_value}, {self.max_value}")
-    if self.show_every < 0:
-      raise ValueError(f"SyntheticConfig.show_every must be >= 0, got {self.show_every}")
-    if self.filler < 0:
-      raise ValueError(f"SyntheticConfig.filler must be >= 0, got {self.filler}")
-    if self.distinct and self.max_value - self.min_value + 1 < self.max_operands:
-      raise ValueError(f"SyntheticConfig.distinct needs at least max_operands "
-                       f"({self.max_operands}) values in [min_value, max_value], got "
-                       f"[{self.min_value}, {self.max_value}]")
-    if self.answer_format not in ("####", "boxed"):
-      raise ValueError(f"SyntheticConfig.answer_format must be '####' or 'boxed', got "
-                       f"{self.answer_format!r}")
+    n, lo, hi = self.max_operands, self.min_value, self.max_value
+    _check(self.min_operands >= 2, ["min_operands"], f"must be >= 2, got {self.min_operands!r}")
+    _check(n >= self.min_operands, ["min_operands", "max_operands"],
+           f"min_operands={self.min_operands} > max_operands={n}")
+    _check(0 <= lo <= hi, ["min_value", "max_value"],
+           f"need 0 <= min_value <= max_value, got {lo}, {hi}")
+    _check(self.show_every >= 0, ["show_every"], f"must be >= 0, got {self.show_every!r}")
+    _check(self.filler >= 0, ["filler"], f"must be >= 0, got {self.filler!r}")
+    _check(not self.distinct or hi - lo + 1 >= n, ["distinct", "max_operands"],
+           f"distinct operands need at least max_operands={n} values in [min_value, "
+           f"max_value] = [{lo}, {hi}]")
+    _check(self.answer_format in ("####", "boxed"), ["answer_format"],
+           f"unknown value {self.answer_format!r}; expected one of ####, boxed")
+
+  def problem_count(self) -> int:
+    """How many distinct problems `problem_at` can draw: operand sequences (ordered, without
+    repeats when `distinct`) times operator choices, over every operand count."""
+    values = self.max_value - self.min_value + 1
+    ops = 2 if self.allow_subtraction else 1
+    seqs = (lambda k: math.perm(values, k)) if self.distinct else (lambda k: values ** k)
+    return sum(seqs(k) * ops ** (k - 1) for k in range(self.min_operands, self.max_operands + 1))
+
+
+class SyntheticConfigError(ValueError):
+  """A bad `SyntheticConfig`: `fields` name the offending settings, `detail` says why (the
+  trainer's config check reports them as task.synthetic.<field>)."""
+
+  def __init__(self, fields, detail: str):
+    self.fields, self.detail = tuple(fields), detail
+    super().__init__(f"SyntheticConfig [{', '.join(self.fields)}]: {detail}")
+
+
+def _check(ok: bool, fields, detail: str) -> None:
+  if not ok:
+    raise SyntheticConfigError(fields, detail)
 
 
 def _answer_line(config: SyntheticConfig, value: int) -> str:

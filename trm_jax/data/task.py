@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 import ml_collections
 import numpy as np
 
-from trm_jax.config import ConfigError, validate_task
+from trm_jax.config import ConfigError, synthetic_config, validate_task
 from trm_jax.data import fingerprint
 from trm_jax.data import synthetic
 from trm_jax.data.batching import PromptBatch, encode_prompt, make_prompt_batch
@@ -109,7 +109,7 @@ class Task:
     # checkpoint so a resume on changed data is refused. Empty for the synthetic task.
     self.fingerprint: dict[str, dict] = {}
     if t.name == "synthetic":
-      self.synthetic = synthetic.SyntheticConfig(**t.synthetic.to_dict())
+      self.synthetic = synthetic_config(t.synthetic)
       self.max_prompt_len = t.max_prompt_len or synthetic.max_prompt_tokens(self.synthetic,
                                                                              tokenizer)
       self.max_new_tokens = t.max_new_tokens or synthetic.max_completion_tokens(self.synthetic)
