@@ -26,7 +26,7 @@ limit keeps everything finished before it; items past --budget_s are listed unde
             reported apart): loop wall time, final metrics, held-out evaluation.
   learner   the plain-GRPO learner update step (`make_learner`, bf16 compute, fp32 params,
             AdamW) at a 0.5B-parameter Qwen3-like shape: FLOPs of the compiled step
-            (`trm_jax.hlo_cost.program_cost`, loops and the Triton attention kernels counted)
+            (`trm_jax.aot.hlo_cost.program_cost`, loops and the Triton attention kernels counted)
             over its median time, and MFU against the H200's dense bf16 peak.
   sampler   `trm_jax.rollout.generate` new tokens/s, bf16, 256 rows x 512 new tokens after
             128-token prompts, no EOS: end to end (B N / t(N)) and decode (B (N-1) / (t(N) -
@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # NVIDIA H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/): "BF16 Tensor Core
-# 1,979 TFLOPS" is with 2:4 sparsity; dense bf16 is half, 989 TFLOP/s (trm_jax/kernels/gpu_aot.py).
+# 1,979 TFLOPS" is with 2:4 sparsity; dense bf16 is half, 989 TFLOP/s (trm_jax/aot/gpu.py).
 H200_PEAK_BF16_FLOPS = 989e12
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +325,7 @@ def learner_mfu(args) -> dict:
   import optax
   from flax import nnx
   from bench.learner import _concrete_batch
-  from trm_jax import hlo_cost
+  from trm_jax.aot import hlo_cost
   from trm_jax.models import Decoder, ModelConfig
   from trm_jax.rl.learner import LearnerConfig, make_learner
   arch = TINY_MODEL if args.tiny else MFU_MODEL

@@ -53,7 +53,7 @@ import optax
 from flax import nnx
 
 from bench import hygiene
-from trm_jax import hlo_cost
+from trm_jax.aot import hlo_cost
 from trm_jax.kernels.visibility import NEVER_EVICTED
 from trm_jax.models import Decoder, ModelConfig
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner

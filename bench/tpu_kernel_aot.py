@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from trm_jax.kernels.attention_ref import attention_reference
 from trm_jax.kernels.flash_attention_tpu import TPUBlockSizes, flash_attention_tpu
-from trm_jax.kernels.tpu_aot import compile_for_tpu, libtpu_available
+from trm_jax.aot.tpu import compile_for_tpu, libtpu_available
 from trm_jax.kernels.visibility import LayerVisibility
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")

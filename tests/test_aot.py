@@ -24,7 +24,7 @@ import pytest
 
 from trm_jax import sharding as shd
 from trm_jax.kernels.flash_attention_tpu import flash_attention_tpu
-from trm_jax.kernels.tpu_aot import compile_for_tpu, libtpu_available
+from trm_jax.aot.tpu import compile_for_tpu, libtpu_available
 from trm_jax.models import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +40,7 @@ def test_model_with_the_tpu_kernel_compiles_under_a_plain_mesh(topology):
   the Mosaic calls itself (XLA alone refuses: "Mosaic kernels cannot be automatically
   partitioned")."""
   from flax import nnx   # pylint: disable=g-import-not-at-top
-  from trm_jax.kernels import tpu_aot   # pylint: disable=g-import-not-at-top
+  from trm_jax.aot import tpu as tpu_aot  # pylint: disable=g-import-not-at-top
   from trm_jax.kernels.visibility import Visibility   # pylint: disable=g-import-not-at-top
   from trm_jax.models import Decoder   # pylint: disable=g-import-not-at-top
   cfg = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=128, intermediate_size=256,
@@ -74,7 +74,7 @@ def test_model_with_the_tpu_kernel_compiles_under_a_plain_mesh(topology):
 
 @needs_libtpu
 def test_loop_aware_cost_counts_every_trip_and_the_kernels():
-  from trm_jax.hlo_cost import program_cost   # pylint: disable=g-import-not-at-top
+  from trm_jax.aot.hlo_cost import program_cost   # pylint: disable=g-import-not-at-top
   n = 512
   mm = 2.0 * n ** 3
   x = jax.ShapeDtypeStruct((n, n), jnp.float32)
@@ -135,7 +135,7 @@ def _aot(*args, tmp_path):
 def test_loop_aware_cost_on_cpu_counts_every_trip():
   """The CPU compiler rewrites scan conditions; its `known_trip_count` still gives the trips
   (bench.learner's FLOP/s of the chunked learner step depends on it)."""
-  from trm_jax.hlo_cost import program_cost   # pylint: disable=g-import-not-at-top
+  from trm_jax.aot.hlo_cost import program_cost   # pylint: disable=g-import-not-at-top
   n = 256
   x = jnp.ones((n, n), jnp.float32)
   f = lambda a, w: jax.lax.scan(lambda c, _: (c @ w, None), a, None, length=6)[0]
@@ -148,8 +148,8 @@ def test_loop_aware_cost_on_cpu_counts_every_trip():
 def test_disaggregated_sampler_gets_its_devices_and_a_copy_in_its_dtype():
   """mesh.rollout_devices on a topology: the sampler's first devices, the learner the rest,
   and the per-rollout copy sized in the sampler's dtype (what step.to_sampler sends)."""
-  from trm_jax import aot, config as config_lib   # pylint: disable=g-import-not-at-top
-  from trm_jax.kernels import tpu_aot             # pylint: disable=g-import-not-at-top
+  from trm_jax import config as config_lib   # pylint: disable=g-import-not-at-top
+  from trm_jax.aot import compiler as aot, tpu as tpu_aot  # pylint: disable=g-import-not-at-top
   c = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py"))
   c.mesh.rollout_devices, c.rollout.dtype, c.rl.staleness = 1, "bfloat16", 1
   c.rl.batch_size = 48   # divides the learner's 3 chips (check_batch_mesh)
@@ -242,8 +242,8 @@ def test_every_trainer_program_of_the_tiny_configs_lowers_for_v5e_2x4(config, ov
   """Every program of each shipped tiny config (the MoE one with routing replay compiles in
   the test above) lowers for an 8-chip slice through the trainer's builder: the Pallas TPU
   kernel partitions itself under the programs' meshes (it refuses to lower otherwise)."""
-  from trm_jax import aot, config as config_lib, sweep  # pylint: disable=g-import-not-at-top
-  from trm_jax.kernels import tpu_aot                    # pylint: disable=g-import-not-at-top
+  from trm_jax import config as config_lib, sweep  # pylint: disable=g-import-not-at-top
+  from trm_jax.aot import compiler as aot, tpu as tpu_aot  # pylint: disable=g-import-not-at-top
   c = config_lib.load_config(os.path.join(ROOT, "configs", config))
   c = sweep.apply_overrides(c, {"rl.batch_size": 16, "rl.group_size": 4, "eval_problems": 8,
                                 "warmup.cache_dir": "/nonexistent", **overrides}.items())
@@ -259,11 +259,11 @@ def test_every_trainer_program_of_the_tiny_configs_lowers_for_v5e_2x4(config, ov
 
 @needs_libtpu
 def test_a_batch_the_slice_does_not_divide_is_refused_naming_it(tmp_path, capsys):
-  from trm_jax import aot   # pylint: disable=g-import-not-at-top
+  from trm_jax.aot.cli import main   # pylint: disable=g-import-not-at-top
   argv = ["--config", os.path.join(ROOT, "configs", "tiny_smd.py"), "--topology", "v5e:2x2",
           "--model", _tiny_model(tmp_path), "--config.rl.batch_size=6",
           "--config.rl.group_size=2", "--out", str(tmp_path / "r.json")]
-  assert aot.main(argv) == 2
+  assert main(argv) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith("error: inconsistent config [rl.batch_size, mesh]: batch_size=6 does "
                         "not split over the 4 batch shards"), err
@@ -305,11 +305,11 @@ def test_program_that_does_not_fit_exits_1_naming_its_knobs(tmp_path):
      "'eval_greedy_compressed', 'eval_sampled_compressed')"),
 ])
 def test_bad_input_is_one_line_naming_it(tmp_path, capsys, args, msg):
-  from trm_jax import aot   # pylint: disable=g-import-not-at-top
+  from trm_jax.aot.cli import main   # pylint: disable=g-import-not-at-top
   argv = ["--config", os.path.join(ROOT, "configs", "tiny_smd.py"),
           "--topology", "v5e:2x2", "--model", _tiny_model(tmp_path),
           "--out", str(tmp_path / "r.json"), *args]
-  assert aot.main(argv) == 2
+  assert main(argv) == 2
   err = capsys.readouterr().err
   assert msg in err, err
   assert len(err.strip().splitlines()) == 1

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from trm_jax import hlo_cost
-from trm_jax.kernels import gpu_aot
+from trm_jax.aot import hlo_cost
+from trm_jax.aot import gpu as gpu_aot
 from trm_jax.kernels.flash_attention import BlockSizes, flash_attention
 from trm_jax.kernels.visibility import LayerVisibility
 
@@ -118,7 +118,8 @@ def test_trainer_update_compiles_for_an_h200_node(mesh):
   rows, and XLA:GPU assigns per-GPU buffers."""
   del mesh   # the fixture only decides whether the plugin is usable
   import os  # pylint: disable=g-import-not-at-top
-  from trm_jax import aot, config as config_lib, sweep  # pylint: disable=g-import-not-at-top
+  from trm_jax import config as config_lib, sweep  # pylint: disable=g-import-not-at-top
+  from trm_jax.aot import compiler as aot  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   c = config_lib.load_config(os.path.join(root, "configs", "tiny_smd.py"))
   c = sweep.apply_overrides(c, {"rl.batch_size": 16, "rl.group_size": 4, "eval_problems": 0,

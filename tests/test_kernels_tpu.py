@@ -41,7 +41,7 @@ from trm_jax.kernels.attention_ref import attention_reference
 from trm_jax.kernels.flash_attention import BlockSizes
 from trm_jax.kernels.flash_attention_tpu import (TPUBlockSizes, _padded_length, _side_inputs,
                                                  flash_attention_tpu)
-from trm_jax.kernels.tpu_aot import compile_for_tpu, libtpu_available
+from trm_jax.aot.tpu import compile_for_tpu, libtpu_available
 from trm_jax.kernels.tpu_blocks import block_summaries, block_tables, plan_blocks
 from trm_jax.kernels.visibility import (NEVER_EVICTED, LayerVisibility, Visibility,
                                         visible_mask)

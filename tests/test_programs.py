@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trm_jax import aot, train
+from trm_jax import train
+from trm_jax.aot import compiler as aot
 from trm_jax import programs as programs_lib
 from trm_jax import step as step_lib
 from trm_jax.data import Task, load_tokenizer

@@ -1,49 +1,5 @@
-r"""Ahead-of-time compile of a config's training programs for a TPU slice, on a machine without one.
-
-  pip install -e '.[tpu]'
-  python -m trm_jax.aot --config configs/qwen3_8b_dapo_trm.py --topology v5p:4x4x4 \
-      [--model Qwen3-8B | --model /ckpt/Qwen3-8B | --model path/to/config.json] \
-      [--programs rollout,score,update,eval_greedy] [--out aot.json] [--config.rl.num_microbatches=4 ...]
-
-Builds the config's mesh (`config.mesh`) over the devices of a named TPU topology (libtpu's
-`jax.experimental.topologies`: v4, v5e, v5p, v6e) and compiles, through the real XLA:TPU and
-Mosaic compilers, the programs the trainer runs for the config, at its shapes and shardings,
-with abstract parameters (nothing is allocated, nothing runs). They are the trainer's own:
-`programs.build` makes them for `step.make_context` and here alike, and this tool substitutes
-only the topology's devices and abstract arrays (as MaxText's train_compile does):
-
-  rollout        the sampler (prefill, then the decode loop with the config's KV-cache
-                 policy, routing record, top-k log-probs), once per step over rl.batch_size
-                 rows, on the sampler's own devices with mesh.rollout_devices;
-  score          the learner's scoring pass over the whole batch (twice with rl.kl_beta);
-  update         the learner's update (microbatch scan, optimizer, SMD teacher, routing
-                 replay), rl.num_minibatches * rl.num_epochs times per step;
-  eval_*         the held-out evaluations (greedy, sampled with eval_samples, and under the
-                 rollout's cache policy), once per evaluation.
-
-For each program it prints a progress line and records, per device (per chip; v4 exposes two
-devices per chip, each with half the chip): XLA's `memory_analysis()` (arguments, outputs,
-temporaries, generated code, donated bytes), the train-state buffers that stay resident
-across the program (AdamW's moments during rollout and score, the full rollout batch during
-the minibatch updates), their total against the chip's HBM, FLOPs and bytes accessed with
-loops counted per trip (`trm_jax.hlo_cost`; XLA's own `cost_analysis()` counts a loop body
-once and is kept beside them), and a roofline lower bound on its time,
-max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth), from the public chip figures in
-`kernels.tpu_aot.CHIPS`. The step bound sums the step's programs times their calls per step
-(the evaluation's bound likewise, per evaluation); a sampler's bound assumes every row runs to
-task.max_new_tokens (the decode loop's longest trip count).
-
-A program that does not fit (XLA refuses it, or it plus the resident state exceeds HBM) makes
-the tool exit with status 1 after naming the knobs that change that program's memory.
-
-The model: `--model` (a published name in KNOWN_MODELS, a checkpoint directory or a
-config.json), else config.model.path's config.json, else a published model named by the config
-file (qwen3_8b_* -> Qwen3-8B), else the warm-up base model in warmup.cache_dir when built,
-else that base model's architecture (config.model.arch: the tiny configs compile from a clean
-checkout).
-config.model.attn_impl="auto" resolves as on a TPU host (the Pallas TPU kernel), which
-partitions itself over each chip's rows and kv heads (`kernels.partition`).
-"""
+"""The trainer's programs compiled ahead of time for a named TPU slice or NVIDIA node, and
+their per-device memory and roofline (the package docstring says what and how)."""
 from __future__ import annotations
 
 import dataclasses
@@ -53,25 +9,23 @@ import math
 import os
 import re
 import resource
-import sys
 import time
 from typing import Callable, Optional, Sequence
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")   # the host backend; TPUs come from topologies
+import jax
+import jax.numpy as jnp
+import ml_collections
 
-import jax                                      # noqa: E402
-import jax.numpy as jnp                         # noqa: E402
-import ml_collections                           # noqa: E402
-
-from trm_jax import config as config_lib        # noqa: E402
-from trm_jax import hlo_cost                    # noqa: E402
-from trm_jax import programs as programs_lib    # noqa: E402
-from trm_jax import sharding as shd             # noqa: E402
-from trm_jax.config import FILE_TASKS, ConfigError  # noqa: E402
-from trm_jax.kernels import gpu_aot, tpu_aot    # noqa: E402
-from trm_jax.kernels.attention import resolve_impl  # noqa: E402
-from trm_jax.models import Decoder, ModelConfig  # noqa: E402
-from trm_jax.programs import device_bytes       # noqa: E402
+from trm_jax import config as config_lib
+from trm_jax import programs as programs_lib
+from trm_jax import sharding as shd
+from trm_jax.aot import gpu as gpu_aot
+from trm_jax.aot import hlo_cost
+from trm_jax.aot import tpu as tpu_aot
+from trm_jax.config import FILE_TASKS, ConfigError
+from trm_jax.kernels.attention import resolve_impl
+from trm_jax.models import Decoder, ModelConfig
+from trm_jax.programs import device_bytes
 
 GiB = 2**30
 
@@ -354,8 +308,8 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
       "chip": dataclasses.asdict(chip), "mesh": dict(s.mesh.shape),
       "model": dataclasses.asdict(s.mcfg), "P": s.P, "R": s.R, "attn_impl": s.impl,
       "config": json.loads(c.to_json_best_effort()),
-      "jax_version": jax.__version__, "libtpu_version": _libtpu_version("libtpu"),
-      "cuda_plugin_version": _libtpu_version("jax-cuda12-plugin"),
+      "jax_version": jax.__version__, "libtpu_version": package_version("libtpu"),
+      "cuda_plugin_version": package_version("jax-cuda12-plugin"),
       "programs": rows, "fits": fit, "step_roofline_s": roofline("step"),
       "evaluation_roofline_s": roofline("evaluation"), "sync": s.sync,
       "sampler_mesh": dict(s.programs["rollout"].mesh.shape),
@@ -377,100 +331,9 @@ def describe(row: dict) -> str:
           f"{row['compile_s']}s, host peak {row['host_peak_rss_bytes'] / GiB:.1f} GiB")
 
 
-def _libtpu_version(package: str) -> str:
+def package_version(package: str) -> str:
   from importlib import metadata  # pylint: disable=g-import-not-at-top
   try:
     return metadata.version(package)
   except metadata.PackageNotFoundError:
     return "unknown"
-
-
-# ------------------------------------------------------------------------------------------
-# CLI
-# ------------------------------------------------------------------------------------------
-def main(argv: Sequence[str]) -> int:
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  fv = flags.FlagValues()
-  cfg = config_flags.DEFINE_config_file("config", None, "experiment config (python file)",
-                                        flag_values=fv, lock_config=True)
-  topo = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x4", flag_values=fv)
-  model = flags.DEFINE_string("model", "", f"{' | '.join(KNOWN_MODELS)} | checkpoint dir | "
-                              "config.json (default: see the module docstring)", flag_values=fv)
-  progs = flags.DEFINE_list("programs", [], "programs to compile (default: every program the "
-                            "trainer runs for the config)", flag_values=fv)
-  out = flags.DEFINE_string("out", "", "report path (default aot_<config>_<topology>.json)",
-                            flag_values=fv)
-  mem_fraction = flags.DEFINE_float(
-      "gpu_mem_fraction", 0.75, "a GPU topology's usable share of HBM (jax preallocates 75%% "
-      "by default: XLA_PYTHON_CLIENT_MEM_FRACTION)", flag_values=fv)
-  hlo_dir = flags.DEFINE_string("hlo_dir", "", "also write each program's optimized HLO "
-                                "(one device's program) into this directory", flag_values=fv)
-  try:
-    argv, spec = config_lib.resolve_config_flag(argv)
-    if not spec:
-      raise ConfigError("--config is required (a config file, e.g. "
-                        "configs/qwen3_8b_dapo_trm.py)")
-    config_lib.check_override_keys(config_lib.load_config(spec), argv)
-    # config_flags reads the `--config.x=` overrides from sys.argv itself.
-    saved, sys.argv = sys.argv, [sys.argv[0], *argv]
-    try:
-      fv(sys.argv)
-    finally:
-      sys.argv = saved
-    if not topo.value:
-      raise ConfigError("--topology is required, e.g. v5p:4x4x4, v6e:16x16, v5e:2x2, h200:8")
-    gpu = platform_of(topo.value) == "gpu"
-    if gpu:
-      ok, why = gpu_aot.gpu_aot_available()
-      if not ok:
-        print(f"error: trm_jax.aot for {topo.value}: {why}", file=sys.stderr)
-        return 2
-    elif not tpu_aot.libtpu_available():
-      print("error: trm_jax.aot needs libtpu (TPU compiler): pip install -e '.[tpu]'",
-            file=sys.stderr)
-      return 2
-    try:
-      if gpu:
-        gpu_aot.gpu_spec(topo.value)
-        gpu_aot.topology_gpus(topo.value)
-      else:
-        tpu_aot.chip_spec(topo.value)
-        tpu_aot.topology_chips(topo.value)
-    except ValueError as e:
-      raise ConfigError(str(e)) from e
-    c = cfg.value
-    hf, source = resolve_model(c, model.value, spec.partition(":")[0])
-    print(f"[aot] config {spec}; model {source}", flush=True)
-    report = compile_config(c, topo.value, hf, programs=progs.value or None,
-                            hlo_dir=hlo_dir.value, gpu_mem_fraction=mem_fraction.value,
-                            log=lambda m: print(m, flush=True))
-  except (ConfigError, flags.Error) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  report["model_source"] = source
-  stem = os.path.splitext(os.path.basename(spec.partition(":")[0]))[0]
-  path = out.value or f"aot_{stem}_{topo.value.replace(':', '_')}.json"
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(report, f, indent=2)
-  print(f"[aot] wrote {path}")
-  if not report["fits"]:
-    for row in report["programs"]:
-      if not row["fits"]:
-        print(f"[aot] {row['program']} does not fit on {topo.value}; knobs that change its "
-              "memory:\n  " + "\n  ".join(programs_lib.memory_knobs(row["program"])),
-              file=sys.stderr)
-    return 1
-  if report["step_roofline_s"] is not None:
-    print(f"[aot] every program fits; roofline lower bound of one RL step "
-          f"{report['step_roofline_s']:.3g} s" + (
-              f", of one evaluation {report['evaluation_roofline_s']:.3g} s"
-              if report["evaluation_roofline_s"] is not None else ""))
-  else:
-    print("[aot] every program fits")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))

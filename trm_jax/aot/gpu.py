@@ -12,7 +12,7 @@ Nothing is executed. What differs from a compile on the GPU (docs/gpu.md):
 
   * no autotuning: GEMM fusions take XLA's default tile configs, not the measured best, so
     temporaries can differ slightly from a compile on the GPU (cuBLAS workspaces, tiles);
-  * `Compiled.cost_analysis()` returns None: count FLOPs with `trm_jax.hlo_cost`
+  * `Compiled.cost_analysis()` returns None: count FLOPs with `trm_jax.aot.hlo_cost`
     (which costs the HLO text with XLA's own analysis and counts the Triton attention kernels
     analytically);
   * the plugin registers its topology factory only when its start-up version check is skipped:
