@@ -1,5 +1,5 @@
-"""A new objective, learner mode or cache policy is one definition plus a registration
-(docs/architecture.md).
+"""A new objective, learner mode, cache policy or model family is one definition plus a
+registration (docs/architecture.md).
 
 The toys below are defined and registered here, in the test file, and nowhere in the package:
   * a cache policy runs through the sampler and the learner: it decides what is evicted, and
@@ -8,9 +8,15 @@ The toys below are defined and registered here, in the test file, and nowhere in
   * the trainer's `rl_step` runs with a toy objective (one setting of its own in `config.rl`)
     and a toy learner mode (SMD's replay and distillation plus token weights of its own) on
     rollouts of the toy cache policy: the config reaches all three through their registry
-    entries alone, and the update moves the parameters.
+    entries alone, and the update moves the parameters;
+  * a model family (a `models.config.FAMILIES` row with a combination no shipped family has:
+    Qwen3's q/k norms with Qwen2's fixed q/k/v biases) goes through a safetensors checkpoint,
+    the loader, the sampler, the learner's exact scoring and one `rl_step`.
 Each fixture removes its entry again, so no other test sees it.
 """
+import dataclasses
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +31,8 @@ from trm_jax import train, warmup
 from trm_jax.data import Task, synthetic
 from trm_jax.kernels import NEVER_EVICTED
 from model_fixtures import make_test_model
-from trm_jax.models import Decoder
+from trm_jax.models import Decoder, from_pretrained, save_pretrained
+from trm_jax.models import config as model_config
 from trm_jax.rl import modes, objectives
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
 from trm_jax.rollout import CacheConfig, EvictionPolicy, generate, policies
@@ -80,6 +87,13 @@ def toy_objective():
   del objectives.OBJECTIVES["toy_reinforce"]
 
 
+@pytest.fixture
+def toy_family(monkeypatch):
+  monkeypatch.setitem(model_config.FAMILIES, "toy_qk_bias", model_config.Family(
+      "ToyQkBiasForCausalLM", qk_norm=True, fixed_bias=True))
+  return "toy_qk_bias"
+
+
 def test_toy_cache_policy_through_sampler_and_learner(keep_even):
   P, R, lens = 8, 6, np.array([8, 5], np.int32)
   model = make_test_model(seed=1, num_layers=1)
@@ -106,15 +120,22 @@ def test_toy_cache_policy_through_sampler_and_learner(keep_even):
   np.testing.assert_allclose(logp[resp], np.asarray(ro.logp)[resp], atol=1e-5, rtol=0)
 
 
-def test_toy_objective_mode_and_policy_in_rl_step(keep_even, toy_objective, toy_mode,
-                                                  tmp_path):
+def _tiny_config():
+  """tiny_trm at one small rollout batch (8 rows) of an exact sampler, a smaller model."""
   c = config_lib.load_config("tiny_trm")
-  c.rl.objective, c.rl.toy_scale = toy_objective, 0.5      # the toy's own setting
-  c.rollout.cache.policy, c.rollout.cache.ratio, c.smd.mode = keep_even, 0.5, toy_mode
   c.rl.batch_size, c.rl.group_size, c.eval_problems, c.total_steps = 8, 2, 0, 1
   c.trm.criteria, c.rollout.dtype, c.rollout.logit_noise = (), "float32", 0.0
   c.task.synthetic.max_operands, c.task.synthetic.max_value = 2, 5
   c.model.arch.hidden_size, c.model.arch.intermediate_size = 32, 64
+  config_lib.validate(c)
+  return c
+
+
+def test_toy_objective_mode_and_policy_in_rl_step(keep_even, toy_objective, toy_mode,
+                                                  tmp_path):
+  c = _tiny_config()
+  c.rl.objective, c.rl.toy_scale = toy_objective, 0.5      # the toy's own setting
+  c.rollout.cache.policy, c.rollout.cache.ratio, c.smd.mode = keep_even, 0.5, toy_mode
   config_lib.validate(c)
   tok = synthetic.make_synthetic_tokenizer(str(tmp_path))
   mesh, _ = train.make_mesh(c)
@@ -130,5 +151,59 @@ def test_toy_objective_mode_and_policy_in_rl_step(keep_even, toy_objective, toy_
   assert KeepEven.traced > 0
   assert metrics["toy/scale"] == 0.5 and metrics["learner/skipped"] == 0.0
   assert metrics["smd/distill_kl"] >= 0.0 and metrics["toy/weight_sum"] > 0.0
+  moved = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state.params)
+  assert any(jax.tree.leaves(moved))
+
+
+def test_toy_model_family_from_checkpoint_through_rl_step(toy_family, tmp_path):
+  c = _tiny_config()
+  tok = synthetic.make_synthetic_tokenizer(str(tmp_path / "tok"))
+  mcfg = dataclasses.replace(warmup.base_model_config(c, tok), model_type=toy_family,
+                             qk_norm=True, qkv_bias=True, o_bias=False)
+  model = Decoder(mcfg, rngs=nnx.Rngs(2))
+  # Non-zero biases, so that the loader must carry them (a zero bias survives being dropped).
+  q_bias = model.layers[0].attn.q_bias
+  q_bias[...] = jax.random.normal(jax.random.key(3), q_bias[...].shape)
+  save_pretrained(model, str(tmp_path / "ckpt"))
+  with open(tmp_path / "ckpt" / "config.json") as f:
+    hf = json.load(f)
+  # The row decides what config.json says: its architecture, no attention_bias (fixed).
+  assert hf["architectures"] == ["ToyQkBiasForCausalLM"] and hf["model_type"] == toy_family
+  assert "attention_bias" not in hf
+
+  loaded = from_pretrained(str(tmp_path / "ckpt"))
+  assert loaded.config == mcfg
+  same = jax.tree.map(np.array_equal, nnx.state(model, nnx.Param), nnx.state(loaded, nnx.Param))
+  assert all(jax.tree.leaves(same))
+
+  # The sampler and the learner see it through the CausalLM protocol alone: exact scoring.
+  P, R, lens = 8, 6, np.array([8, 5], np.int32)
+  ro = generate(loaded, left_padded_prompts(lens, P, high=mcfg.vocab_size), lens,
+                max_new_tokens=R, key=jax.random.key(0), eos_ids=())
+  graphdef, params, rest = nnx.split(loaded, nnx.Param, ...)
+  score, _ = make_learner(graphdef, optax.sgd(0.0), LearnerConfig(mode="off", chunk=8),
+                          response_start=P)
+  B, T = ro.tokens.shape
+  batch = LearnerBatch(tokens=ro.tokens, segment_ids=ro.segment_ids,
+                       response_mask=ro.response_mask.astype(jnp.float32), logp_roll=ro.logp,
+                       advantages=jnp.zeros((B,)), logp_old=ro.logp,
+                       token_weights=jnp.ones((B, T)))
+  logp = np.asarray(score(params, rest, batch)[0])
+  resp = np.asarray(ro.response_mask) == 1
+  np.testing.assert_allclose(logp[resp], np.asarray(ro.logp)[resp], atol=1e-5, rtol=0)
+
+  # One trainer step on the model loaded as the trainer loads it (sharded on its mesh). The
+  # random model earns no reward, so the gradient comes from SMD's distillation term (an
+  # evicting cache whose record the learner replays, and the dense teacher).
+  c.rollout.cache.policy, c.rollout.cache.ratio, c.smd.mode = "snapkv", 0.5, "smd"
+  config_lib.validate(c)
+  mesh, _ = train.make_mesh(c)
+  with jax.set_mesh(mesh):
+    sharded = from_pretrained(str(tmp_path / "ckpt"), mesh=mesh)
+    task = Task(c.task, seed=c.seed, tokenizer=tok, eval_problems=0)
+    ctx, state = step_lib.make_context(c, mesh, sharded, tok, task)
+    before = jax.tree.map(np.asarray, state.params)
+    state, metrics = step_lib.rl_step(ctx, state)
+  assert metrics["learner/skipped"] == 0.0 and metrics["smd/distill_kl"] > 0.0
   moved = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state.params)
   assert any(jax.tree.leaves(moved))
