@@ -39,7 +39,6 @@ import numpy as np
 
 from experiments import report, trm_mismatch
 from trm_jax import sweep
-from trm_jax.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny_trm_long.py")
@@ -86,20 +85,9 @@ def groups(methods, settings, seeds, fixed) -> dict[tuple[str, str], list[sweep.
 
 
 def run_stats(workdir: str, cells) -> dict:
-  """trm_mismatch's per-run numbers plus the held-out gain, mean response length and B*."""
+  """trm_mismatch's per-run numbers plus the held-out gain."""
   st = trm_mismatch.method_stats(workdir, cells)
   st["gain"] = [l - f for f, l in zip(st["avg_first"], st["avg_last"])]
-  st["resp_len"], st["bstar_first"], st["bstar_last"] = [], [], []
-  for c in cells:
-    if not sweep.is_done(workdir, c):
-      continue
-    records = [r for r in read_metrics(os.path.join(sweep.cell_dir(workdir, c),
-                                                    "metrics.jsonl")) if "reward" in r]
-    col = lambda k: np.array([r.get(k, math.nan) for r in records], float)
-    st["resp_len"].append(report.finite_mean(col("response_len")))
-    bf, bl = report.first_last_mean(col("bound/unified"))
-    st["bstar_first"].append(bf)
-    st["bstar_last"].append(bl)
   return st
 
 

@@ -87,10 +87,11 @@ def build_cells(methods, seeds, fixed: dict) -> tuple[list[sweep.Cell], dict]:
 
 def method_stats(workdir: str, cells) -> dict:
   """Per run: reward first/last 10 %, PPL gap first/last 10 %, rejection, held-out evaluation
-  at step 0 and at the end (greedy and avg@k); seed lists, plus the seeds themselves."""
+  at step 0 and at the end (greedy and avg@k), mean response length, the empirical B* (first
+and last 10 %); seed lists, plus the seeds themselves."""
   out = {k: [] for k in ("seed", "reward_first", "reward_last", "gap_first", "gap_last",
                          "abs_gap_last", "reject", "eval", "avg_first", "avg_last", "max_kl",
-                         "mean_kl", "flip")}
+                         "mean_kl", "flip", "resp_len", "bstar_first", "bstar_last")}
   buckets: dict[str, list[float]] = {}
   for c in cells:
     if not sweep.is_done(workdir, c):
@@ -112,6 +113,10 @@ def method_stats(workdir: str, cells) -> dict:
     # Largest token KL(pi_roll || pi_theta) of each batch, and E[sum_t KL] per token.
     out["max_kl"].append(float(np.nanmean(col("trm/delta_hat"))))
     out["mean_kl"].append(float(np.nanmean(col("trm/kl_seq_hat") / col("response_len"))))
+    out["resp_len"].append(report.finite_mean(col("response_len")))
+    bf, bl = report.first_last_mean(col("bound/unified"))   # B*, the tightest bound (Sec. 3.4)
+    out["bstar_first"].append(bf)
+    out["bstar_last"].append(bl)
     flip = col("moe/replay_flip_rate")
     out["flip"].append(float(np.nanmean(flip)) if np.isfinite(flip).any() else math.nan)
     out["seed"].append(dict(c.overrides)["seed"])

@@ -48,7 +48,7 @@ def test_derived_sizes_of_the_tiny_configs_are_unchanged(tok, name, P, R):
   6 template tokens, solution chars + <eos>), so the tiny runs compile the same shapes."""
   c = config_lib.load_config(os.path.join(ROOT, "configs", name))
   task = Task(c.task, c.seed, tok, c.eval_problems)
-  syn = synthetic.SyntheticConfig(**c.task.synthetic.to_dict())
+  syn = config_lib.synthetic_config(c.task.synthetic)
   assert (task.max_prompt_len, task.max_new_tokens) == (P, R)
   assert (P, R) == (synthetic.max_prompt_chars(syn) + 6, synthetic.max_completion_chars(syn) + 1)
 
