@@ -128,16 +128,21 @@ def put_first_slots(cache: KVCache, part: KVCache) -> KVCache:
          for k, x in _per_slot(cache).items()}, evicted_at=part.evicted_at)
 
 
+def pad_slots(cache: KVCache, C: int) -> KVCache:
+  """`cache` with empty slots (pos -1, zeros elsewhere) appended up to C slots."""
+  n = cache.pos.shape[-1]
+  pad = lambda k, x: jnp.pad(x, [(0, C - n) if a == SLOT_AXIS[k] else (0, 0)
+                                 for a in range(x.ndim)], constant_values=-1 if k == "pos" else 0)
+  return cache.replace(**{k: pad(k, x) for k, x in _per_slot(cache).items()})
+
+
 def restart_rows(cache: KVCache, new: KVCache, take: jax.Array) -> KVCache:
   """`cache` with the rows `take` [B] restarted from `new`: its Cp slots first, the other
   slots emptied (pos -1, score 0), its retention record."""
-  Cp, C = new.pos.shape[-1], cache.pos.shape[-1]
-  pad = lambda k, x, v: jnp.pad(x, [(0, C - Cp) if a == SLOT_AXIS[k] else (0, 0)
-                                    for a in range(x.ndim)], constant_values=v)
-  fill = {"pos": -1}
+  new = pad_slots(new, cache.pos.shape[-1])
   pick = lambda x, y: jnp.where(take.reshape((-1,) + (1,) * (x.ndim - 1)), y, x)
   return cache.replace(
-      **{k: pick(x, pad(k, getattr(new, k), fill.get(k, 0))) for k, x in _per_slot(cache).items()},
+      **{k: pick(x, getattr(new, k)) for k, x in _per_slot(cache).items()},
       evicted_at=pick(cache.evicted_at, new.evicted_at))
 
 

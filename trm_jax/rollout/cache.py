@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trm_jax.models import kv_cache
 from trm_jax.models.kv_cache import KVCache
 from trm_jax.rollout.types import RATIO_GRID, CacheConfig
 
@@ -120,17 +121,11 @@ def from_prompt(k: jax.Array, v: jax.Array, keep: jax.Array, score: jax.Array, *
   kept = jnp.take_along_axis(keep, sel, axis=-1)
   ks = jnp.take_along_axis(kt, sel[..., None], axis=2)
   vs = jnp.take_along_axis(vt, sel[..., None], axis=2)
-  pos = jnp.where(kept, sel, -1).astype(jnp.int32)
-  pad = C - Cp
+  pos = jnp.where(kept, sel, -1).astype(jnp.int32)                 # [B, K, Cp]
   sc = None
   if score is not None:
-    sc = jnp.where(kept, jnp.take_along_axis(score, sel, axis=-1), 0.0)
-    sc = jnp.pad(sc.astype(jnp.float32), ((0, 0), (0, 0), (0, pad)))
-  return KVCache(
-      k=jnp.pad(jnp.swapaxes(ks, 2, 3), ((0, 0), (0, 0), (0, 0), (0, pad))),   # [B, K, H, C]
-      v=jnp.pad(vs, ((0, 0), (0, 0), (0, pad), (0, 0))),
-      pos=jnp.pad(pos, ((0, 0), (0, 0), (0, pad)), constant_values=-1),
-      score=sc)
+    sc = jnp.where(kept, jnp.take_along_axis(score, sel, axis=-1), 0.0).astype(jnp.float32)
+  return kv_cache.pad_slots(KVCache(k=jnp.swapaxes(ks, 2, 3), v=vs, pos=pos, score=sc), C)
 
 
 def nbytes(caches) -> int:
