@@ -94,6 +94,24 @@ def toy_family(monkeypatch):
   return "toy_qk_bias"
 
 
+def _assert_learner_scores_as_sampled(model, ro, P: int, *, mode: str):
+  """The learner's scoring pass (in `mode`; "smd" replays the rollout's evicted_at) gives the
+  sampler's log-probs of every response token: a ratio of 1."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  score, _ = make_learner(graphdef, optax.sgd(0.0), LearnerConfig(mode=mode, chunk=8),
+                          response_start=P)
+  B, T = ro.tokens.shape
+  replays = modes.get_mode(mode).replays_eviction
+  batch = LearnerBatch(tokens=ro.tokens, segment_ids=ro.segment_ids,
+                       response_mask=ro.response_mask.astype(jnp.float32), logp_roll=ro.logp,
+                       advantages=jnp.zeros((B,)), logp_old=ro.logp,
+                       token_weights=jnp.ones((B, T)),
+                       evicted_at=ro.evicted_at if replays else None)
+  logp = np.asarray(score(params, rest, batch)[0])
+  resp = np.asarray(ro.response_mask) == 1
+  np.testing.assert_allclose(logp[resp], np.asarray(ro.logp)[resp], atol=1e-5, rtol=0)
+
+
 def test_toy_cache_policy_through_sampler_and_learner(keep_even):
   P, R, lens = 8, 6, np.array([8, 5], np.int32)
   model = make_test_model(seed=1, num_layers=1)
@@ -107,17 +125,7 @@ def test_toy_cache_policy_through_sampler_and_learner(keep_even):
 
   # The learner in SMD mode replays `evicted_at` (a teacher-forced forward under the
   # rollout's visibility): its log-probs are the sampler's, a ratio of 1.
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  score, _ = make_learner(graphdef, optax.sgd(0.0), LearnerConfig(mode="smd", chunk=8),
-                          response_start=P)
-  B, T = ro.tokens.shape
-  batch = LearnerBatch(tokens=ro.tokens, segment_ids=ro.segment_ids,
-                       response_mask=ro.response_mask.astype(jnp.float32), logp_roll=ro.logp,
-                       advantages=jnp.zeros((B,)), logp_old=ro.logp,
-                       token_weights=jnp.ones((B, T)), evicted_at=ro.evicted_at)
-  logp = np.asarray(score(params, rest, batch)[0])
-  resp = np.asarray(ro.response_mask) == 1
-  np.testing.assert_allclose(logp[resp], np.asarray(ro.logp)[resp], atol=1e-5, rtol=0)
+  _assert_learner_scores_as_sampled(model, ro, P, mode="smd")
 
 
 def _tiny_config():
@@ -180,17 +188,7 @@ def test_toy_model_family_from_checkpoint_through_rl_step(toy_family, tmp_path):
   P, R, lens = 8, 6, np.array([8, 5], np.int32)
   ro = generate(loaded, left_padded_prompts(lens, P, high=mcfg.vocab_size), lens,
                 max_new_tokens=R, key=jax.random.key(0), eos_ids=())
-  graphdef, params, rest = nnx.split(loaded, nnx.Param, ...)
-  score, _ = make_learner(graphdef, optax.sgd(0.0), LearnerConfig(mode="off", chunk=8),
-                          response_start=P)
-  B, T = ro.tokens.shape
-  batch = LearnerBatch(tokens=ro.tokens, segment_ids=ro.segment_ids,
-                       response_mask=ro.response_mask.astype(jnp.float32), logp_roll=ro.logp,
-                       advantages=jnp.zeros((B,)), logp_old=ro.logp,
-                       token_weights=jnp.ones((B, T)))
-  logp = np.asarray(score(params, rest, batch)[0])
-  resp = np.asarray(ro.response_mask) == 1
-  np.testing.assert_allclose(logp[resp], np.asarray(ro.logp)[resp], atol=1e-5, rtol=0)
+  _assert_learner_scores_as_sampled(loaded, ro, P, mode="off")
 
   # One trainer step on the model loaded as the trainer loads it (sharded on its mesh). The
   # random model earns no reward, so the gradient comes from SMD's distillation term (an
