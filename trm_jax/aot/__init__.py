@@ -1,4 +1,5 @@
-r"""Ahead-of-time compile of a config's training programs for a TPU slice, on a machine without one.
+r"""Ahead-of-time compile of a config's training programs for a TPU slice or an NVIDIA node, on a
+machine without one.
 
   pip install -e '.[tpu]'
   python -m trm_jax.aot --config configs/qwen3_8b_dapo_trm.py --topology v5p:4x4x4 \
