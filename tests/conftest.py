@@ -4,7 +4,21 @@ XLA_FLAGS must be set before jax is imported anywhere, which is why it lives her
 """
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA:CPU's optimisation level 0 for this process and every process it starts (trainers,
+# sweeps, experiment scripts, notebooks, two-process runs): the tests compile hundreds of
+# programs for tiny models, so compiling takes most of their CPU, and level 0 compiles faster
+# (test_smd, test_rollout_resim, test_models_decoder and test_rl_learner in one process, quiet,
+# side by side: 116 s and 148 CPU-s at level 0, 144 s and 205 CPU-s at the default). Level 0
+# rounds transcendental functions differently (log-probs differ by up to 5e-7 between the
+# levels), so every comparison inside a test is between programs compiled at one level, and
+# the exactness the trainer relies on is checked again at the default level by
+# test_rollout_slots.py::test_exactness_holds_at_the_default_optimisation_level.
+# TRM_TEST_XLA_OPT=default keeps XLA's default (that test's child process).
+_flags = os.environ.get("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if (os.environ.get("TRM_TEST_XLA_OPT") != "default"
+    and "xla_backend_optimization_level" not in _flags):
+  _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -14,14 +28,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import jax  # noqa: E402  (after the environment above)
 import pytest  # noqa: E402
 
-# This process's backend starts now, with the flags above. The processes the tests start
-# (trainers, sweeps, experiment scripts, notebooks, two-process runs) compile every program
-# from scratch and run tiny models, so they inherit XLA's optimisation level 0: about a quarter
-# less CPU for those tests. Every assertion inside one test compares programs compiled at one
-# level (a subprocess run against a subprocess run); the in-process tests, the cross-program
-# bitwise checks among them, keep XLA's default.
-jax.devices()
-os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+jax.devices()   # this process's backend starts now, with the flags above
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,10 @@ as rows finish, and cutting the caches to their live part give every row the tok
 all-at-once sampler, with log-probs equal to fp32 rounding and the same retention record and
 expert choices; a group's prompt is prefilled once; the learner still replays every row.
 """
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -146,3 +149,21 @@ def test_bad_groups_and_batching_are_named(dense):
     _generate(dense, POLICIES["none"], BatchingConfig(group_size=5), ids=ids, lens=lens)
   with pytest.raises(ValueError, match="chunk=0"):
     BatchingConfig(chunk=0)
+
+
+@pytest.mark.slow
+def test_exactness_holds_at_the_default_optimisation_level():
+  """The suite compiles at XLA:CPU's optimisation level 0 (tests/conftest.py); the trainer at
+  the default, which rounds differently. Two of this file's claims again, in a pytest process
+  at the default level: slotted rows equal all-at-once rows with router and logit noise and
+  H2O eviction, and the learner replays slotted rollouts exactly."""
+  here = os.path.abspath(__file__)
+  env = dict(os.environ, TRM_TEST_XLA_OPT="default",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  p = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+       f"{here}::test_slots_give_every_row_the_all_at_once_draws[h2o-noisy]",
+       f"{here}::test_the_learner_replays_slotted_rollouts_exactly"],
+      cwd=os.path.dirname(os.path.dirname(here)), env=env, capture_output=True, text=True,
+      timeout=600)
+  assert p.returncode == 0 and "2 passed" in p.stdout, (p.stdout + p.stderr)[-4000:]
