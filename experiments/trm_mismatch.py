@@ -88,7 +88,7 @@ def build_cells(methods, seeds, fixed: dict) -> tuple[list[sweep.Cell], dict]:
 def method_stats(workdir: str, cells) -> dict:
   """Per run: reward first/last 10 %, PPL gap first/last 10 %, rejection, held-out evaluation
   at step 0 and at the end (greedy and avg@k), mean response length, the empirical B* (first
-and last 10 %); seed lists, plus the seeds themselves."""
+  and last 10 %); seed lists, plus the seeds themselves."""
   out = {k: [] for k in ("seed", "reward_first", "reward_last", "gap_first", "gap_last",
                          "abs_gap_last", "reject", "eval", "avg_first", "avg_last", "max_kl",
                          "mean_kl", "flip", "resp_len", "bstar_first", "bstar_last")}
@@ -112,8 +112,9 @@ and last 10 %); seed lists, plus the seeds themselves."""
                               for r in records if "reward" in r], float)
     # Largest token KL(pi_roll || pi_theta) of each batch, and E[sum_t KL] per token.
     out["max_kl"].append(float(np.nanmean(col("trm/delta_hat"))))
-    out["mean_kl"].append(float(np.nanmean(col("trm/kl_seq_hat") / col("response_len"))))
-    out["resp_len"].append(report.finite_mean(col("response_len")))
+    resp_len = col("response_len")
+    out["mean_kl"].append(float(np.nanmean(col("trm/kl_seq_hat") / resp_len)))
+    out["resp_len"].append(report.finite_mean(resp_len))
     bf, bl = report.first_last_mean(col("bound/unified"))   # B*, the tightest bound (Sec. 3.4)
     out["bstar_first"].append(bf)
     out["bstar_last"].append(bl)
