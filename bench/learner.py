@@ -105,7 +105,7 @@ def measure_memory(T: int, *, B: int, chunk: int) -> dict:
   for impl, attn in (("kernel", "pallas_interpret"), ("reference", "reference")):
     for shadow in (True, False):
       name = f"{impl}_{'shadow' if shadow else 'causal'}"
-      lcfg = LearnerConfig(mode="smd", lam=0.1, chunk=chunk, attn_impl=attn)
+      lcfg = LearnerConfig(mode="smd", mode_kwargs=(("lam", 0.1),), chunk=chunk, attn_impl=attn)
       _, update = make_learner(graphdef, tx, lcfg, response_start=T // 4)
       batch = _abstract_batch(B, T, cfg.num_layers, cfg.num_kv_heads, shadow)
       t0 = time.perf_counter()
@@ -155,9 +155,10 @@ def measure_time(*, B: int, T: int, chunk: int, repeats: int, warmup: int) -> di
                           cfg.vocab_size, ratio=0.5)
   tx = optax.adamw(1e-6)
   variants = {"grpo_off": LearnerConfig(mode="off", chunk=chunk, attn_impl="reference"),
-              "smd": LearnerConfig(mode="smd", lam=0.1, chunk=chunk, attn_impl="reference"),
-              "smd_masked_only": LearnerConfig(mode="smd", lam=0.0, chunk=chunk,
-                                               attn_impl="reference")}
+              "smd": LearnerConfig(mode="smd", mode_kwargs=(("lam", 0.1),), chunk=chunk,
+                                   attn_impl="reference"),
+              "smd_masked_only": LearnerConfig(mode="smd", mode_kwargs=(("lam", 0.0),),
+                                               chunk=chunk, attn_impl="reference")}
   state, fns, times, compile_s = {}, {}, {}, {}
   for name, lcfg in variants.items():
     fns[name] = make_learner(graphdef, tx, lcfg, response_start=P)[1]

@@ -27,7 +27,7 @@ from flax import nnx
 from prompt_fixtures import left_padded_prompts
 from trm_jax import config as config_lib
 from trm_jax import step as step_lib
-from trm_jax import train, warmup
+from trm_jax import programs, train, warmup
 from trm_jax.data import Task, synthetic
 from trm_jax.kernels import NEVER_EVICTED
 from model_fixtures import make_test_model
@@ -68,7 +68,7 @@ def half_weights(logp, logp_roll, response_mask):
 def toy_mode():
   modes.register_mode("toy_shadow", modes.LearnerMode(
       needs_compressed_cache=True, replays_eviction=True, distills=True,
-      token_weights=half_weights))
+      token_weights=half_weights, config_fields=("lam",)))
   yield "toy_shadow"
   del modes.MODES["toy_shadow"]
 
@@ -98,7 +98,8 @@ def _assert_learner_scores_as_sampled(model, ro, P: int, *, mode: str):
   """The learner's scoring pass (in `mode`; "smd" replays the rollout's evicted_at) gives the
   sampler's log-probs of every response token: a ratio of 1."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  score, _ = make_learner(graphdef, optax.sgd(0.0), LearnerConfig(mode=mode, chunk=8),
+  score, _ = make_learner(graphdef, optax.sgd(0.0), LearnerConfig(
+      mode=mode, mode_kwargs=(("lam", 0.1),) if mode == "smd" else (), chunk=8),
                           response_start=P)
   B, T = ro.tokens.shape
   replays = modes.get_mode(mode).replays_eviction
@@ -153,6 +154,7 @@ def test_toy_objective_mode_and_policy_in_rl_step(keep_even, toy_objective, toy_
     ctx, state = step_lib.make_context(c, mesh, model, tok, task)
     assert ctx.programs.cache.policy == keep_even
     assert ctx.lcfg.objective_kwargs == (("toy_scale", 0.5),)
+    assert ctx.lcfg.mode_kwargs == (("lam", c.smd.lam),)
     before = jax.tree.map(np.asarray, state.params)
     KeepEven.traced = 0
     state, metrics = step_lib.rl_step(ctx, state)
@@ -161,6 +163,23 @@ def test_toy_objective_mode_and_policy_in_rl_step(keep_even, toy_objective, toy_
   assert metrics["smd/distill_kl"] >= 0.0 and metrics["toy/weight_sum"] > 0.0
   moved = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state.params)
   assert any(jax.tree.leaves(moved))
+
+
+def test_a_mode_receives_only_the_settings_it_declares():
+  c = _tiny_config()
+
+  def lcfg(mode, lam):
+    c.smd.mode, c.smd.lam = mode, lam
+    return programs.learner_config(c, 16)
+
+  # smd.lam is the smd mode's; the dense learner's static config (its program) ignores it.
+  assert lcfg("off", 0.1) == lcfg("off", 0.7) and lcfg("off", 0.1).mode_kwargs == ()
+  c.rollout.cache.policy, c.rollout.cache.ratio = "h2o", 0.5
+  assert lcfg("smd", 0.7).mode_kwargs == (("lam", 0.7),)
+  with pytest.raises(ValueError, match=r"reads smd settings \['lam'\]"):
+    LearnerConfig(mode="smd")
+  with pytest.raises(ValueError, match="config_fields must include 'lam'"):
+    modes.LearnerMode(distills=True)
 
 
 def test_toy_model_family_from_checkpoint_through_rl_step(toy_family, tmp_path):

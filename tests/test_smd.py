@@ -114,8 +114,9 @@ def scorer(split):
 
   @functools.lru_cache(maxsize=None)
   def build(mode, attn_impl="reference", g=None):
-    cfg = LearnerConfig(mode=mode, criteria=("trm_max_kl",), thresholds=(("delta", DELTA),),
-                        chunk=CHUNK, attn_impl=attn_impl, temperature=TEMPERATURE)
+    cfg = LearnerConfig(mode=mode, mode_kwargs=(("lam", 0.1),) if mode == "smd" else (),
+                        criteria=("trm_max_kl",), thresholds=(("delta", DELTA),), chunk=CHUNK,
+                        attn_impl=attn_impl, temperature=TEMPERATURE)
     return make_learner(g or graphdef, optax.sgd(0.0), cfg, response_start=P)[0]
   return build
 
@@ -226,7 +227,7 @@ def test_distillation_gradient_stops_at_teacher(split, rollouts):
   ro, batch = rollouts["h2o", 0.7]
   lam = 0.5
   tx = _grad_capture()
-  cfg = LearnerConfig(mode="smd", lam=lam, chunk=CHUNK, num_microbatches=2,
+  cfg = LearnerConfig(mode="smd", mode_kwargs=(("lam", lam),), chunk=CHUNK, num_microbatches=2,
                       attn_impl="reference", temperature=TEMPERATURE)
   _, update = make_learner(graphdef, tx, cfg, response_start=P)
   # advantages = 0: the policy-gradient term has zero gradient, only distillation remains.

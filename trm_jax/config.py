@@ -92,6 +92,30 @@ def resolve_config_flag(argv: Sequence[str], default: Optional[str] = None
   return argv, default
 
 
+def define_config_flag(default: Optional[str] = None, flag_values=None):
+  """The `--config` flag of every command line (the trainer, `trm_jax.aot`): a config file
+  with get_config, `--config.key=value` overrides, locked after parsing. Parse argv with
+  `config_argv` first."""
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  kw = {} if flag_values is None else {"flag_values": flag_values}
+  return config_flags.DEFINE_config_file(
+      "config", default, "experiment config (a python file with get_config, or the name of a "
+      "shipped config)", lock_config=True, **kw)
+
+
+def config_argv(argv: Sequence[str], default: Optional[str] = None, *,
+                example: str = "configs/tiny_trm.py") -> tuple[list[str], str]:
+  """(argv with `--config` resolved, the config spec), after checking every `--config.x=`
+  override names a key of that config: a misspelt key fails here with its name, before absl's
+  own parsing (which would print a bare AttributeError) and before any work. ConfigError when
+  there is no `--config` and no default."""
+  argv, spec = resolve_config_flag(argv, default)
+  if not spec:
+    raise ConfigError(f"--config is required (a config file, e.g. {example})")
+  check_override_keys(load_config(spec), argv)
+  return argv, spec
+
+
 def _exec_module(path: str, name: str):
   mod_spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(mod_spec)

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from trm_jax import sharding as shd
 from trm_jax.config import ConfigError
 from trm_jax.models.config import DTYPES
-from trm_jax.rl import objectives, optim
+from trm_jax.rl import modes, objectives, optim
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
 from trm_jax.rollout import BatchingConfig, CacheConfig, sampler_graphdef, sampling_config
 from trm_jax.rollout.policies import get_policy
@@ -93,9 +93,12 @@ def learner_config(c: ml_collections.ConfigDict, max_len: int) -> LearnerConfig:
   # The objective's own settings: the `rl` keys its registry entry names.
   kwargs = tuple((k, r[k]) for k in objectives.get_objective(r.objective).config_fields)
   thresholds = tuple((k, float(v)) for k, v in c.trm.items() if k != "criteria")
+  # The learner mode's own settings: the `smd` keys its registry entry names (and no other
+  # mode's, so e.g. smd.lam never enters a dense learner's program).
+  mode_kwargs = tuple((k, c.smd[k]) for k in modes.get_mode(c.smd.mode).config_fields)
   return LearnerConfig(objective=r.objective, loss_agg=r.loss_agg, objective_kwargs=kwargs,
                        max_len=max_len, criteria=tuple(c.trm.criteria), thresholds=thresholds,
-                       mode=c.smd.mode, lam=float(c.smd.lam),
+                       mode=c.smd.mode, mode_kwargs=mode_kwargs,
                        num_microbatches=r.num_microbatches, chunk=r.chunk,
                        attn_impl=c.model.attn_impl, temperature=float(c.rollout.temperature),
                        kl_beta=float(c.rl.kl_beta))

@@ -57,7 +57,6 @@ import jax
 import ml_collections
 from absl import app, flags
 from flax import nnx
-from ml_collections import config_flags
 
 from trm_jax import config as config_lib
 from trm_jax import preemption
@@ -80,9 +79,7 @@ log = logging.getLogger("trm_jax.train")
 
 # The default main job, the shipped `tiny_trm`, so that it works from any directory.
 DEFAULT_CONFIG = config_lib.resolve_config("tiny_trm")
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG,
-                                          "experiment config (python file with get_config)",
-                                          lock_config=True)
+_CONFIG = config_lib.define_config_flag(DEFAULT_CONFIG)
 _WORKDIR = flags.DEFINE_string("workdir", None, "output directory (checkpoints, metrics, plots)")
 _ALLOW_CHANGE = flags.DEFINE_bool(
     "allow_config_change", False,
@@ -483,12 +480,9 @@ def main(argv):
 
 
 def cli():
-  # Fail on misspelt `--config.x=...` keys before absl's own parsing (which would print a bare
-  # AttributeError) and before any work.
-  # `--config tiny_trm` names a shipped config: resolved to its file before absl sees it.
+  # `--config tiny_trm` names a shipped config; misspelt `--config.x=` keys fail here.
   try:
-    sys.argv, spec = config_lib.resolve_config_flag(sys.argv, DEFAULT_CONFIG)
-    config_lib.check_override_keys(config_lib.load_config(spec), sys.argv)
+    sys.argv, _ = config_lib.config_argv(sys.argv, DEFAULT_CONFIG)
   except config_lib.ConfigError as e:
     sys.exit(f"error: {e}")
   app.run(main)

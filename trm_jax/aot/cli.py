@@ -20,10 +20,8 @@ from trm_jax.config import ConfigError          # noqa: E402
 
 def main(argv: Sequence[str]) -> int:
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   fv = flags.FlagValues()
-  cfg = config_flags.DEFINE_config_file("config", None, "experiment config (python file)",
-                                        flag_values=fv, lock_config=True)
+  cfg = config_lib.define_config_flag(flag_values=fv)
   topo = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x4", flag_values=fv)
   model = flags.DEFINE_string("model", "", f"{' | '.join(KNOWN_MODELS)} | checkpoint dir | "
                               "config.json (default: see the module docstring)", flag_values=fv)
@@ -37,11 +35,7 @@ def main(argv: Sequence[str]) -> int:
   hlo_dir = flags.DEFINE_string("hlo_dir", "", "also write each program's optimized HLO "
                                 "(one device's program) into this directory", flag_values=fv)
   try:
-    argv, spec = config_lib.resolve_config_flag(argv)
-    if not spec:
-      raise ConfigError("--config is required (a config file, e.g. "
-                        "configs/qwen3_8b_dapo_trm.py)")
-    config_lib.check_override_keys(config_lib.load_config(spec), argv)
+    argv, spec = config_lib.config_argv(argv, example="configs/qwen3_8b_dapo_trm.py")
     # config_flags reads the `--config.x=` overrides from sys.argv itself.
     saved, sys.argv = sys.argv, [sys.argv[0], *argv]
     try:

@@ -55,7 +55,8 @@ class LearnerConfig:
   criteria: tuple = ()                # TRM criteria names, ANDed
   thresholds: tuple = ()              # ((name, value), ...)
   mode: str = "off"                   # a key of rl.modes.MODES
-  lam: float = 0.1                    # SMD distillation weight (modes that distill)
+  mode_kwargs: tuple = ()             # ((name, value), ...) of the mode's config_fields
+                                      #   (the smd mode's distillation weight: (("lam", 0.1),))
   num_microbatches: int = 1
   chunk: int = 128                    # positions per vocabulary projection
   attn_impl: str = "auto"
@@ -64,7 +65,10 @@ class LearnerConfig:
   length_edges: tuple = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
   def __post_init__(self):
-    modes.get_mode(self.mode)
+    want, got = set(modes.get_mode(self.mode).config_fields), {k for k, _ in self.mode_kwargs}
+    if want != got:
+      raise ValueError(f"learner mode {self.mode!r} reads smd settings {sorted(want)}; "
+                       f"LearnerConfig.mode_kwargs gives {sorted(got)}")
     objectives.get_objective(self.objective)
     for n in self.criteria:
       if n not in trm.CRITERIA:
@@ -73,6 +77,10 @@ class LearnerConfig:
   @property
   def learner_mode(self) -> modes.LearnerMode:
     return modes.get_mode(self.mode)
+
+  @property
+  def mode_settings(self) -> dict:
+    return dict(self.mode_kwargs)
 
   @property
   def objective_entry(self) -> objectives.Objective:
@@ -146,7 +154,7 @@ def _trm_mask(cfg: LearnerConfig, terms: dict, batch: LearnerBatch):
 
 
 def _distills(cfg: LearnerConfig) -> bool:
-  return cfg.learner_mode.distills and cfg.lam > 0
+  return cfg.learner_mode.distills and cfg.mode_settings["lam"] > 0
 
 
 def _score(model: CausalLM, batch: LearnerBatch, cfg: LearnerConfig, P: int):
@@ -204,7 +212,7 @@ def _loss(model: CausalLM, mb: LearnerBatch, normalizer: jax.Array, cfg: Learner
     # lambda * KL(sg[teacher] || masked), token-mean over the whole minibatch: the global
     # token count is normalizer[1], so accumulation over microbatches stays exact.
     kl = jnp.sum(terms["distill_kl"]) / normalizer[1]
-    loss = loss + cfg.lam * kl
+    loss = loss + cfg.mode_settings["lam"] * kl
     metrics["smd/distill_kl"] = kl * cfg.num_microbatches
   return loss, metrics
 

@@ -14,6 +14,8 @@ paper's comparisons (docs/smd.md, "Learner modes"):
                    plus the dense stop-gradient teacher distilled with weight `smd.lam`.
 
 A new mode is one entry: `register_mode("name", LearnerMode(...))`, then `smd.mode = "name"`.
+A mode receives only the `smd` settings its `config_fields` name (programs.learner_config), so
+a setting no mode reads never enters another mode's compiled program.
 """
 from __future__ import annotations
 
@@ -41,6 +43,14 @@ class LearnerMode:
   token_weights: Optional[TokenWeights] = None   # score-pass weights (ones when None)
   ratio_to_learner: bool = False         # the objective's ratio is against the scored
                                          #   log-probs (logp_roll := logp_old), not pi_roll's
+  config_fields: tuple[str, ...] = ()    # keys of the config's `smd` section this mode reads
+                                         #   (LearnerConfig.mode_kwargs); a mode that distills
+                                         #   reads its weight "lam"
+
+  def __post_init__(self):
+    if self.distills and "lam" not in self.config_fields:
+      raise ValueError("a LearnerMode that distills reads its weight: config_fields must "
+                       "include 'lam' (smd.lam)")
 
 
 def _sparse_rl_weights(logp, logp_roll, response_mask):
@@ -68,4 +78,4 @@ register_mode("sparse_rl", LearnerMode(needs_compressed_cache=True,
                                        token_weights=_sparse_rl_weights,
                                        ratio_to_learner=True))
 register_mode("smd", LearnerMode(needs_compressed_cache=True, replays_eviction=True,
-                                 distills=True))
+                                 distills=True, config_fields=("lam",)))
