@@ -3,8 +3,8 @@
 A key nobody reads is a knob that silently does nothing (`rl.baseline` was one: documented,
 settable, ignored). This test runs the real trainer in-process on `tiny_trm` for one step
 (base model, rollout, score, update, evaluation, checkpoint, export) while recording every read
-of a config key, then adds the branches one run cannot take (the other objectives' and cache
-policies' settings, read when those are chosen). Reads made only to check or serialise the
+of a config key, then adds the branches one run cannot take (the other objectives', learner
+modes' and cache policies' settings, read when those are chosen). Reads made only to check or serialise the
 config (`config.validate`, `to_json_best_effort`) do not count: validating a key is not using
 it.
 """
@@ -13,6 +13,7 @@ from ml_collections import ConfigDict
 
 from trm_jax import config as config_lib
 from trm_jax import programs, train
+from trm_jax.rl.modes import MODES
 from trm_jax.rl.objectives import OBJECTIVES
 from trm_jax.rollout.policies import POLICIES
 
@@ -88,9 +89,13 @@ def test_every_config_key_is_read(tmp_path, monkeypatch, shared_run):
   train.run(c, str(tmp_path / "run"), progress=False)
   assert (tmp_path / "run" / "summary.json").exists()
 
-  # Branches one run does not take: the settings of the other objectives and cache policies.
+  # Branches one run does not take: the settings of the other objectives, learner modes and
+  # cache policies.
   for objective in OBJECTIVES:
     c.rl.objective = objective
+    programs.learner_config(c, max_len=8)
+  for mode in MODES:
+    c.smd.mode = mode
     programs.learner_config(c, max_len=8)
   c.rollout.cache.ratio = 0.5
   for policy in POLICIES:

@@ -1,5 +1,5 @@
 """End-to-end trainer faults, each in real `python -m trm_jax.train` subprocesses (tiny config,
-8 simulated CPU devices from conftest, so the trainer runs on an 8-way data mesh):
+2 simulated CPU devices from shared_run.env(), so the trainer runs on a 2-way data mesh):
 
   * SIGKILL mid-run, resume: final parameters and optimizer state bitwise identical to an
     uninterrupted run, and metrics.jsonl holds each step exactly once with the same values;

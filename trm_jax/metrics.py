@@ -83,6 +83,24 @@ def read_metrics(path: str) -> list[dict]:
   return records
 
 
+def _summary_writer():
+  """tensorboardX's SummaryWriter class, imported without torch when torch is not loaded yet.
+
+  tensorboardX imports torch if it is installed (2 s of a trainer's start-up here) only to
+  accept torch tensors as values; this logger writes floats. Imported on first use: heavy,
+  and optional for callers."""
+  import sys  # pylint: disable=g-import-not-at-top
+  if "tensorboardX" in sys.modules or "torch" in sys.modules:
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    return SummaryWriter
+  sys.modules["torch"] = None   # `import torch` raises ImportError while tensorboardX loads
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricsLogger:
   """Per-step metrics to metrics.jsonl, TensorBoard and a progress bar.
 
@@ -117,8 +135,7 @@ class MetricsLogger:
     self._truncate_after(self._last_step, resume_record)
     self._file = open(self.path, "a")
     if tb:
-      from tensorboardX import SummaryWriter  # Imported here: heavy, and optional for callers.
-      self._writer = SummaryWriter(
+      self._writer = _summary_writer()(
           logdir=os.path.join(self.workdir, TB_DIR),
           purge_step=self._last_step + 1,
           # tensorboardX names files by the second and opens them for writing: a resume within
