@@ -179,8 +179,13 @@ def test_quickstart_defaults_are_the_config(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_quickstart(kernel, monkeypatch, tmp_path):
+def test_quickstart(kernel, monkeypatch, tmp_path, shared_run):
   workdir, cache = tmp_path / "work", tmp_path / "base"
+  # The kernel is a trainer process like the others of the suite: their devices and their
+  # compilation cache (shared_run.env()); its base model is its own.
+  for k in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
+    monkeypatch.setenv(k, shared_run.env()[k])
   nb = execute("quickstart.ipynb", kernel, monkeypatch, STEPS=3, BATCH=16, GROUP=4, EVAL=8,
                WARMUP_STEPS=20, WARMUP_BATCH=16, CACHE_DIR=cache, WORKDIR=workdir)
   with open(workdir / "metrics.jsonl") as f:
