@@ -7,9 +7,10 @@ What is covered across processes: `jax.distributed.initialize` via the trainer's
 variables), the mesh over all processes' devices, batches handed in as per-process shards
 (`sharding.put_batch`), the sharded update, and gathering the result to a host
 (`step.host`). A second test runs the whole trainer (`python -m trm_jax.train`) in two
-processes started with only the variables `srun -n 2` sets (no JAX_* variables: JAX's SLURM
-detection finds the coordinator) and checks it against the same run in one process with 4
-devices. tests/test_slurm.py runs it under a real scheduler.
+processes (one device each, parameters sharded across them) started with only the variables
+`srun -n 2` sets (no JAX_* variables: JAX's SLURM detection finds the coordinator) and checks
+it against the same run in one process with 2 devices. tests/test_slurm.py runs it under a
+real scheduler.
 
 Run as a script, this file is the worker: `python tests/test_distributed.py OUT.npz`.
 """
@@ -97,11 +98,12 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
     assert got_aux[k] == pytest.approx(float(v), rel=1e-5, abs=1e-6), k
 
 
-def _slurm_env(task: int, job_id: int, n: int = 2) -> dict:
-  """What `srun -n N` on one node sets for task `task` (and no JAX_* variable). JAX's
-  SlurmCluster puts the coordinator on the step's first node at port 61440 + job id % 4096,
-  so the job id is chosen for a free port."""
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR",
+def _slurm_env(task: int, job_id: int, n: int = 2, base: dict | None = None) -> dict:
+  """`base` (os.environ) with what `srun -n N` on one node sets for task `task` (and no
+  JAX_* variable). JAX's SlurmCluster puts the coordinator on the step's first node at port
+  61440 + job id % 4096, so the job id is chosen for a free port."""
+  base = os.environ if base is None else base
+  env = {k: v for k, v in base.items() if not k.startswith(("JAX_COORDINATOR",
                                                                   "JAX_NUM_PROC",
                                                                   "JAX_PROCESS_ID", "SLURM_"))}
   env.update(SLURM_JOB_ID=str(job_id), SLURM_NTASKS=str(n), SLURM_PROCID=str(task),
@@ -124,38 +126,31 @@ def _free_slurm_job_id() -> int:
 
 
 
-def _trainer_args(tmp, workdir):
+# The trainer runs: one device per process and the parameters sharded across the two processes
+# (fsdp = 2), the pod case, where each process writes its own shards of a checkpoint. These
+# are the settings of tests/test_slurm.py's srun run, so the two tests compile one set of
+# programs into the session's shared cache (shared_run.py) and reuse each other's.
+TRAINER_SETTINGS = ("--config.rl.batch_size=8", "--config.rl.group_size=4",
+                    "--config.eval_problems=0", "--config.mesh.data=1", "--config.mesh.fsdp=2")
+
+
+def _trainer_args(shared_run, workdir):
   # ckpt_every=2 over 2 steps: step 1 is checkpointed only when a stop request forces it.
   return [sys.executable, "-m", "trm_jax.train", "--config", "configs/tiny_trm.py",
           "--workdir", workdir, "--config.total_steps=2", "--config.ckpt_every=2",
-          "--config.rl.batch_size=8", "--config.rl.group_size=4", "--config.eval_problems=0",
-          "--config.warmup.steps=10", "--config.warmup.batch_size=16",
-          "--config.task.synthetic.max_operands=3", "--config.task.synthetic.max_value=9",
-          "--config.mesh.data=2", "--config.mesh.fsdp=2",
-          f"--config.warmup.cache_dir={tmp}/base"]
+          *TRAINER_SETTINGS, *shared_run.cli_args()]
 
 
-# The trainer runs of the two-process test compile at XLA's optimisation level 0, as every
-# trainer subprocess of the suite does (tests/conftest.py): all of them, the one-process
-# reference included, so each comparison is between programs compiled at one level.
-TRAINER_OPT = "--xla_backend_optimization_level=0"
-
-
-def _two_processes(tmp, workdir, **extra_env):
-  """Runs the trainer as two processes of one job, started from SLURM's variables alone (what
-  `srun -n 2` sets); returns [(exit code, output)] per process.
-
-  All runs of a test share one persistent compilation cache, so the reruns compile nothing."""
+def _two_processes(shared_run, workdir, **extra_env):
+  """Runs the trainer as two processes of one job, one CPU device each, started from SLURM's
+  variables alone (what `srun -n 2` sets); returns [(exit code, output)] per process."""
   job_id = _free_slurm_job_id()
   procs = []
   for i in range(2):
-    env = dict(_slurm_env(i, job_id),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {TRAINER_OPT}",
-               JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
-               JAX_COMPILATION_CACHE_DIR=f"{tmp}/xla_cache",
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", **extra_env)
-    procs.append(subprocess.Popen(_trainer_args(tmp, workdir), cwd=ROOT, env=env,
+    env = _slurm_env(i, job_id, base=shared_run.env(
+        JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", **extra_env))
+    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("device_count=2", "device_count=1")
+    procs.append(subprocess.Popen(_trainer_args(shared_run, workdir), cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
   logs = []
   try:
@@ -188,10 +183,11 @@ def _ckpt_state(workdir, step):
 
 
 @pytest.mark.slow
-def test_trainer_in_two_processes_from_srun_variables_matches_one_process(tmp_path):
-  """The full loop from SLURM's variables alone: process 0 builds the base model, both roll
-  out and update their shards, checkpoints are written together, metrics and the HF export by
-  process 0 only.
+def test_trainer_in_two_processes_from_srun_variables_matches_one_process(tmp_path, shared_run):
+  """The full loop from SLURM's variables alone: process 0 provides the base model (the
+  session's, shared_run.py) while process 1 waits for it, both roll out and update their
+  shards, checkpoints are written together, metrics and the HF export by process 0 only; the
+  result equals one process with both devices.
 
   Then preemption across processes: the same job again, where process 0 gets SIGTERM in the
   middle of step 1's rollout and process 1 in the middle of step 1's update (real signals,
@@ -201,17 +197,15 @@ def test_trainer_in_two_processes_from_srun_variables_matches_one_process(tmp_pa
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   tmp = str(tmp_path)
   multi, single = os.path.join(tmp, "multi"), os.path.join(tmp, "single")
-  results = _two_processes(tmp, multi)
+  results = _two_processes(shared_run, multi)
   assert all(rc == 0 for rc, _ in results), _describe(results)
   assert "2 processes" in results[0][1]
   for i, (_, log) in enumerate(results):   # the first line says how the processes found each other
     first = next(l for l in log.splitlines() if "multi-host start-up" in l)
     assert first.endswith(f"multi-host start-up: SlurmCluster (JAX's cluster detection): "
-                          f"process {i} of 2, 2 local of 4 devices"), first
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {TRAINER_OPT}",
-             JAX_PLATFORMS="cpu")
-  p = subprocess.run(_trainer_args(tmp, single), cwd=ROOT, env=env, capture_output=True,
-                     text=True, timeout=2 * TIMEOUT)
+                          f"process {i} of 2, 1 local of 2 devices"), first
+  p = subprocess.run(_trainer_args(shared_run, single), cwd=ROOT, env=shared_run.env(),
+                     capture_output=True, text=True, timeout=2 * TIMEOUT)
   assert p.returncode == 0, p.stderr[-4000:]
 
   assert sorted(os.listdir(os.path.join(multi, "ckpt"))) == ["2"]
@@ -225,7 +219,7 @@ def test_trainer_in_two_processes_from_srun_variables_matches_one_process(tmp_pa
 
   # --- preempted on both processes at different moments of step 1, then resumed -------------
   stopped = os.path.join(tmp, "preempted")
-  results = _two_processes(tmp, stopped, TRM_DEBUG_SIGNAL="rollout@1#0,update@1#1")
+  results = _two_processes(shared_run, stopped, TRM_DEBUG_SIGNAL="rollout@1#0,update@1#1")
   assert all(rc == 143 for rc, _ in results), _describe(results)
   for _, log in results:
     assert log.strip().splitlines()[-1] == (
@@ -234,7 +228,7 @@ def test_trainer_in_two_processes_from_srun_variables_matches_one_process(tmp_pa
     assert "SIGTERM received: finishing the current step" in log
     assert "Traceback" not in log
   assert sorted(os.listdir(os.path.join(stopped, "ckpt"))) == ["1"]
-  results = _two_processes(tmp, stopped)
+  results = _two_processes(shared_run, stopped)
   assert all(rc == 0 for rc, _ in results), _describe(results)
   assert "resumed from step 1 " in results[0][1]
   with open(os.path.join(stopped, "metrics.jsonl")) as f:
@@ -269,6 +263,44 @@ def test_start_up_says_how_and_refuses_a_partial_set_of_variables(monkeypatch, c
     distributed.init_distributed()
   assert str(e.value) == ("JAX_NUM_PROCESSES set but JAX_COORDINATOR_ADDRESS, JAX_PROCESS_ID "
                           "not: set all three for a multi-process run")
+
+
+
+def test_other_processes_wait_for_process_0s_base_model(shared_run, tmp_path):
+  """Processes other than 0 poll the shared filesystem until process 0 publishes the warm-up
+  base (atomically: a rename), and give up after the timeout naming the directory."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  from trm_jax import train  # pylint: disable=g-import-not-at-top
+  from trm_jax import warmup  # pylint: disable=g-import-not-at-top
+  c = shared_run.config()
+  out = tmp_path / "base"
+  c.warmup.cache_dir = str(out)
+
+  def publish():   # what process 0's warm-up does at its end: the base, then its marker
+    time.sleep(1.5)
+    staging = tmp_path / "staging"
+    shutil.copytree(shared_run.base_dir, staging)
+    marker = staging / warmup.MARKER
+    fingerprint = json.loads(marker.read_text())
+    fingerprint["warmup"]["cache_dir"] = str(out)   # the marker names the base's own directory
+    marker.write_text(json.dumps(fingerprint))
+    os.rename(staging, out)
+
+  writer = threading.Thread(target=publish)
+  t0 = time.time()
+  writer.start()
+  try:
+    assert train.wait_for_base_model(c, timeout_s=120) == str(out)
+  finally:
+    writer.join()
+  assert time.time() - t0 >= 1.5
+  c.warmup.cache_dir = str(tmp_path / "never")
+  with pytest.raises(TimeoutError, match=r"process 0: no base model at .*never "
+                                         r"\(warmup.cache_dir\) after 0s; it must be on a "
+                                         r"filesystem all processes share"):
+    train.wait_for_base_model(c, timeout_s=0)
 
 
 if __name__ == "__main__":

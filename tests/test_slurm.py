@@ -18,6 +18,7 @@ import time
 import pytest
 
 from slurm_cluster import SlurmCluster, SlurmUnavailable
+from test_distributed import TRAINER_SETTINGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 600
@@ -67,10 +68,10 @@ def _steps(workdir):
 def test_srun_two_tasks_are_one_two_process_run_resumed_after_scancel(cluster, shared_run,
                                                                       tmp_path):
   workdir, out = str(tmp_path / "run"), str(tmp_path / "job_%j.out")
+  # test_distributed.py's two-process settings: one set of programs in the shared cache.
   train = ["srun", "--ntasks=2", sys.executable, "-m", "trm_jax.train", "--config", "tiny_trm",
            "--workdir", workdir, f"--config.total_steps={STEPS}", "--config.ckpt_every=1",
-           "--config.rl.batch_size=8", "--config.rl.group_size=4", "--config.eval_problems=0",
-           "--config.export_hf=False", *shared_run.cli_args()]
+           *TRAINER_SETTINGS, "--config.export_hf=False", *shared_run.cli_args()]
   env = _job_env(cluster, shared_run)
   job = _sbatch(cluster, env, "--ntasks=2", f"--output={out}", "--wrap",
                 subprocess.list2cmdline(train))
