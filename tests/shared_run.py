@@ -52,16 +52,16 @@ class SharedRun:
       return [f"{flag}{k}={v}" for k, v in self.overrides().items()]
     return [a for k, v in self.overrides().items() for a in ("--set", f"{k}={v}")]
 
-  def env(self, **extra) -> dict:
+  def env(self, devices: int = TRAINER_DEVICES, **extra) -> dict:
     """The environment of a trainer subprocess: the shared persistent compilation cache and
-    TRAINER_DEVICES simulated CPU devices (the trainer's default mesh is a data mesh over
-    all of them)."""
+    `devices` simulated CPU devices (the trainer's default mesh is a data mesh over all of
+    them); the test process's other XLA flags (its optimisation level) carry over."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                    os.environ.get("XLA_FLAGS", ""))
     return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(self.root / "xla_cache"),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={TRAINER_DEVICES} {flags}"
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {flags}"
                 .strip(), **extra)
 
   def config(self):

@@ -127,9 +127,9 @@ def _free_slurm_job_id() -> int:
 
 
 # The trainer runs: one device per process and the parameters sharded across the two processes
-# (fsdp = 2), the pod case, where each process writes its own shards of a checkpoint. These
-# are the settings of tests/test_slurm.py's srun run, so the two tests compile one set of
-# programs into the session's shared cache (shared_run.py) and reuse each other's.
+# (fsdp = 2), the pod case, where each process writes its own shards of a checkpoint.
+# tests/test_slurm.py's srun run imports these settings: one configuration, started by hand
+# here and by the scheduler there.
 TRAINER_SETTINGS = ("--config.rl.batch_size=8", "--config.rl.group_size=4",
                     "--config.eval_problems=0", "--config.mesh.data=1", "--config.mesh.fsdp=2")
 
@@ -148,8 +148,7 @@ def _two_processes(shared_run, workdir, **extra_env):
   procs = []
   for i in range(2):
     env = _slurm_env(i, job_id, base=shared_run.env(
-        JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", **extra_env))
-    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("device_count=2", "device_count=1")
+        devices=1, JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", **extra_env))
     procs.append(subprocess.Popen(_trainer_args(shared_run, workdir), cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
   logs = []
@@ -263,7 +262,6 @@ def test_start_up_says_how_and_refuses_a_partial_set_of_variables(monkeypatch, c
     distributed.init_distributed()
   assert str(e.value) == ("JAX_NUM_PROCESSES set but JAX_COORDINATOR_ADDRESS, JAX_PROCESS_ID "
                           "not: set all three for a multi-process run")
-
 
 
 def test_other_processes_wait_for_process_0s_base_model(shared_run, tmp_path):

@@ -43,11 +43,10 @@ def cluster(tmp_path_factory):
 def _job_env(cluster, shared_run, devices=1):
   """What the job steps inherit from sbatch (--export=ALL): one CPU device per process, gloo
   collectives across processes, the shared base model's compilation cache."""
-  env = cluster.env(shared_run.env(JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+  env = cluster.env(shared_run.env(devices=devices, JAX_PLATFORMS="cpu",
+                                   JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
                                    PYTHONPATH=os.pathsep.join(
                                        [ROOT, os.environ.get("PYTHONPATH", "")])))
-  env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
-                      "--xla_backend_optimization_level=0")
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(k, None)   # the processes must find each other from SLURM's variables alone
   return env
@@ -68,7 +67,7 @@ def _steps(workdir):
 def test_srun_two_tasks_are_one_two_process_run_resumed_after_scancel(cluster, shared_run,
                                                                       tmp_path):
   workdir, out = str(tmp_path / "run"), str(tmp_path / "job_%j.out")
-  # test_distributed.py's two-process settings: one set of programs in the shared cache.
+  # test_distributed.py's two-process settings (one device per process, fsdp = 2).
   train = ["srun", "--ntasks=2", sys.executable, "-m", "trm_jax.train", "--config", "tiny_trm",
            "--workdir", workdir, f"--config.total_steps={STEPS}", "--config.ckpt_every=1",
            *TRAINER_SETTINGS, "--config.export_hf=False", *shared_run.cli_args()]
