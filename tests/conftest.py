@@ -4,20 +4,25 @@ XLA_FLAGS must be set before jax is imported anywhere, which is why it lives her
 """
 import os
 
-# XLA:CPU's optimisation level 0 for this process and every process it starts (trainers,
+# Two XLA:CPU compile settings for this process and every process it starts (trainers,
 # sweeps, experiment scripts, notebooks, two-process runs): the tests compile hundreds of
-# programs for tiny models, so compiling takes most of their CPU, and level 0 compiles faster
-# (test_smd, test_rollout_resim, test_models_decoder and test_rl_learner in one process, quiet,
-# side by side: 116 s and 148 CPU-s at level 0, 144 s and 205 CPU-s at the default). Level 0
-# rounds transcendental functions differently (log-probs differ by up to 5e-7 between the
-# levels), so every comparison inside a test is between programs compiled at one level, and
-# the exactness the trainer relies on is checked again at the default level by
+# programs for tiny models, so compiling takes most of their CPU.
+#  * Optimisation level 0 (test_smd, test_rollout_resim, test_models_decoder and
+#    test_rl_learner in one process, quiet, side by side: 116 s and 148 CPU-s at level 0,
+#    144 s and 205 CPU-s at the default).
+#  * XLA:CPU's older fusion emitters instead of the MLIR fusion emitters
+#    (--xla_cpu_use_fusion_emitters=false): test_rollout_slots' slotted-vs-all-at-once pairs
+#    and test_staleness' disaggregated sampler, one process, quiet: 84 s and 109 CPU-s with
+#    the MLIR emitters, 56 s and 62 CPU-s without.
+# Both change rounding (log-probs differ by up to 5e-7 between optimisation levels), so every
+# comparison inside a test is between programs compiled with one set of flags, and the
+# exactness the trainer relies on is checked again with XLA's defaults by
 # test_rollout_slots.py::test_exactness_holds_at_the_default_optimisation_level.
-# TRM_TEST_XLA_OPT=default keeps XLA's default (that test's child process).
+# TRM_TEST_XLA_OPT=default keeps XLA's defaults (that test's child process).
+TEST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 _flags = os.environ.get("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-if (os.environ.get("TRM_TEST_XLA_OPT") != "default"
-    and "xla_backend_optimization_level" not in _flags):
-  _flags += " --xla_backend_optimization_level=0"
+if os.environ.get("TRM_TEST_XLA_OPT") != "default":
+  _flags = " ".join([_flags, *(f for f in TEST_COMPILE_FLAGS if f.split("=")[0] not in _flags)])
 os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

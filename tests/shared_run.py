@@ -56,13 +56,10 @@ class SharedRun:
     """The environment of a trainer subprocess: the shared persistent compilation cache and
     `devices` simulated CPU devices (the trainer's default mesh is a data mesh over all of
     them); the test process's other XLA flags (its optimisation level) carry over."""
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                   os.environ.get("XLA_FLAGS", ""))
     return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(self.root / "xla_cache"),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {flags}"
-                .strip(), **extra)
+                XLA_FLAGS=xla_flags(devices), **extra)
 
   def config(self):
     """tiny_trm with the shared base's settings."""
@@ -77,6 +74,13 @@ class SharedRun:
     with open(self.root / "base.lock", "w") as lock:
       fcntl.flock(lock, fcntl.LOCK_EX)
       warmup.ensure_base_model(self.config(), log=lambda _: None)
+
+
+def xla_flags(devices: int) -> str:
+  """XLA_FLAGS for a child process with `devices` simulated CPU devices and this process's
+  other XLA flags (the compile settings of conftest.py)."""
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+  return f"--xla_force_host_platform_device_count={devices} {flags}".strip()
 
 
 def session_root(tmp_path_factory) -> Path:

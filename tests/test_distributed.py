@@ -23,6 +23,8 @@ import sys
 import numpy as np
 import pytest
 
+from shared_run import xla_flags
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MESH = dict(data=2, fsdp=2)
@@ -69,7 +71,7 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
   port = _free_port()
   procs = []
   for i in range(2):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(2),
                JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
     procs.append(subprocess.Popen([sys.executable, __file__, out], cwd=ROOT, env=env,
