@@ -14,7 +14,7 @@ import os
 #    (--xla_cpu_use_fusion_emitters=false): test_rollout_slots' slotted-vs-all-at-once pairs
 #    and test_staleness' disaggregated sampler, one process, quiet: 84 s and 109 CPU-s with
 #    the MLIR emitters, 56 s and 62 CPU-s without.
-# Both change rounding (log-probs differ by up to 5e-7 between optimisation levels), so every
+# Either may change rounding (log-probs differ by up to 5e-7 between optimisation levels), so every
 # comparison inside a test is between programs compiled with one set of flags, and the
 # exactness the trainer relies on is checked again with XLA's defaults by
 # test_rollout_slots.py::test_exactness_holds_at_the_default_optimisation_level.

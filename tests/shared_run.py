@@ -55,7 +55,7 @@ class SharedRun:
   def env(self, devices: int = TRAINER_DEVICES, **extra) -> dict:
     """The environment of a trainer subprocess: the shared persistent compilation cache and
     `devices` simulated CPU devices (the trainer's default mesh is a data mesh over all of
-    them); the test process's other XLA flags (its optimisation level) carry over."""
+    them) with the test process's other XLA flags (xla_flags)."""
     return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(self.root / "xla_cache"),
                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",

@@ -21,6 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from trm_jax import checkpoint as ckpt_lib
 from trm_jax.checkpoint import Checkpointer
 
+from shared_run import xla_flags
+
 
 def _mesh(shape=(2, 4)):
   return jax.make_mesh(shape, ("data", "model"),
@@ -473,7 +475,6 @@ def test_failed_save_is_raised_at_once_in_one_line_and_last_good_one_restores(tm
 _MULTI = textwrap.dedent("""
     import glob, os, sys
     pid, port, d = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import jax, numpy as np
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
     from jax.experimental import multihost_utils
@@ -514,8 +515,9 @@ def test_two_processes_save_and_fall_back_together(tmp_path):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
+  env = dict(os.environ, XLA_FLAGS=xla_flags(2))   # 2 devices per process
   procs = [subprocess.Popen([sys.executable, "-c", _MULTI, str(i), str(port), str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i in range(2)]
   outs = []
   for p in procs:
