@@ -2,7 +2,8 @@
 
 The claims: a row's draws are its own (sampling, logit noise, router jitter and random
 eviction are keyed by (key, row, array index)), so decoding S rows at a time, refilling slots
-as rows finish, and cutting the caches to their live part give every row the tokens of the
+as rows finish, cutting the caches to their live part and packing the last rows into fewer
+slots give every row the tokens of the
 all-at-once sampler, with log-probs equal to fp32 rounding and the same retention record and
 expert choices; a group's prompt is prefilled once; the learner still replays every row.
 """
@@ -32,8 +33,9 @@ POLICIES = {
     "random": CacheConfig(policy="random", ratio=0.4),
 }
 # 5 slots over 12 rows, refilled 2 at a time between chunks of 3 steps, caches cut to 16-slot
-# buckets: every mechanism of the slotted loop runs.
-SLOTTED = BatchingConfig(slots=5, group_size=G, chunk=3, refill=2, bucket=16)
+# buckets, the last 2 decoding rows packed into 2 slots: every mechanism of the slotted loop
+# runs.
+SLOTTED = BatchingConfig(slots=5, group_size=G, chunk=3, refill=2, bucket=16, tail=2)
 
 
 def _prompts(group=G):

@@ -101,7 +101,8 @@ def _slot_index(name: str, *index) -> tuple:
   return (*lead, *(slice(None),) * (SLOT_AXIS[name] - len(lead)), slot)
 
 
-def _per_slot(cache: KVCache) -> dict:
+def per_slot(cache: KVCache) -> dict:
+  """{name: array} of the fields that hold one entry per slot (k, v, pos, and score if kept)."""
   return {n: getattr(cache, n) for n in SLOT_AXIS if getattr(cache, n) is not None}
 
 
@@ -116,7 +117,7 @@ def empty(B: int, K: int, H: int, C: int, T: int, dtype, *, keeps_score: bool,
 
 def first_slots(cache: KVCache, n: int) -> KVCache:
   """The cache cut to its first n slots (decoding over fewer slots; the record is kept)."""
-  return cache.replace(**{k: x[_slot_index(k, slice(0, n))] for k, x in _per_slot(cache).items()})
+  return cache.replace(**{k: x[_slot_index(k, slice(0, n))] for k, x in per_slot(cache).items()})
 
 
 def put_first_slots(cache: KVCache, part: KVCache) -> KVCache:
@@ -125,7 +126,7 @@ def put_first_slots(cache: KVCache, part: KVCache) -> KVCache:
   n = part.pos.shape[-1]
   return cache.replace(
       **{k: x.at[_slot_index(k, slice(0, n))].set(getattr(part, k))
-         for k, x in _per_slot(cache).items()}, evicted_at=part.evicted_at)
+         for k, x in per_slot(cache).items()}, evicted_at=part.evicted_at)
 
 
 def pad_slots(cache: KVCache, C: int) -> KVCache:
@@ -133,17 +134,31 @@ def pad_slots(cache: KVCache, C: int) -> KVCache:
   n = cache.pos.shape[-1]
   pad = lambda k, x: jnp.pad(x, [(0, C - n) if a == SLOT_AXIS[k] else (0, 0)
                                  for a in range(x.ndim)], constant_values=-1 if k == "pos" else 0)
-  return cache.replace(**{k: pad(k, x) for k, x in _per_slot(cache).items()})
+  return cache.replace(**{k: pad(k, x) for k, x in per_slot(cache).items()})
 
 
 def restart_rows(cache: KVCache, new: KVCache, take: jax.Array) -> KVCache:
-  """`cache` with the rows `take` [B] restarted from `new`: its Cp slots first, the other
-  slots emptied (pos -1, score 0), its retention record."""
-  new = pad_slots(new, cache.pos.shape[-1])
-  pick = lambda x, y: jnp.where(take.reshape((-1,) + (1,) * (x.ndim - 1)), y, x)
-  return cache.replace(
-      **{k: pick(x, getattr(new, k)) for k, x in _per_slot(cache).items()},
-      evicted_at=pick(cache.evicted_at, new.evicted_at))
+  """`cache` with the rows `take` [B] restarted from `new` (n <= C slots): its n slots first,
+  the other slots emptied (pos -1, score 0), its retention record.
+
+  Only the restarted rows are written, and of their keys and values only the first n slots:
+  the slots after them keep stale keys that pos -1 masks (attention gives them probability 0
+  exactly). A select over every row and slot here cost a pass over every layer's cache at
+  each refill of a continuous batch."""
+  B, _, C = cache.pos.shape
+  n = new.pos.shape[-1]
+  rows = jnp.where(take, jnp.arange(B, dtype=jnp.int32), B)                # B: dropped
+  full = pad_slots(new.replace(k=None, v=None), C)                          # pos, score
+  out = {}
+  for name, x in per_slot(cache).items():
+    if name in ("k", "v"):
+      idx = _slot_index(name, rows, slice(0, n))
+      out[name] = _update(x, getattr(new, name),
+                          lambda buf, val, idx=idx: buf.at[idx].set(val, mode="drop"))
+    else:
+      out[name] = x.at[rows].set(getattr(full, name), mode="drop")
+  return cache.replace(**out, evicted_at=cache.evicted_at.at[rows].set(new.evicted_at,
+                                                                         mode="drop"))
 
 
 def write(cache: KVCache, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
@@ -170,7 +185,7 @@ def write(cache: KVCache, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
     b, h = jnp.arange(B)[:, None], jnp.arange(K)[None, :]
     put = lambda k, buf, x: buf.at[_slot_index(k, b, h, slot)].set(x, mode="drop")
   return cache.replace(**{k: _update(buf, new[k], functools.partial(put, k))
-                          for k, buf in _per_slot(cache).items()})
+                          for k, buf in per_slot(cache).items()})
 
 
 def attend(q: jax.Array, cache: KVCache, *, scale: Optional[float] = None):

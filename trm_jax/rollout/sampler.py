@@ -476,6 +476,20 @@ def _load(g: _Call, s: DecodeState) -> DecodeState:
       budget=pick(pol.budget, s.budget), caches=caches, out=out)
 
 
+def _pack(g: _Call, s: DecodeState, n: int) -> DecodeState:
+  """The state on n of its S slots, the decoding ones first (the caller ensures at most n
+  decode): the finished rows' records are flushed, the slots kept are copied once."""
+  B = g.shape[0]
+  s = _flush(g, s, ~s.active)
+  keep = jnp.argsort(~s.active, stable=True)[:n]                        # decoding first
+  active = s.active[keep]
+  take = lambda c: c.replace(**{k: x[keep] for k, x in kv_cache.per_slot(c).items()},
+                             evicted_at=c.evicted_at[keep])
+  return s.replace(row=jnp.where(active, s.row[keep], B), index=s.index[keep],
+                   tok=s.tok[keep], active=active, start=s.start[keep],
+                   budget=s.budget[keep], caches=tuple(take(c) for c in s.caches))
+
+
 def _run_chunk(g: _Call, n: int, s: DecodeState) -> DecodeState:
   """Up to `bcfg.chunk` decode steps (fewer when no slot is decoding) on caches of n slots
   (the first n of the C slots: `_decode` cuts them)."""
@@ -515,10 +529,14 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
   holds the caches cut to their first n slots (copied out once, written back once) and runs
   chunks while every slot the next chunk can fill is below n, so a step reads the live part
   of the cache, not its capacity. (Stages, not a `lax.switch` per chunk: XLA copies a whole
-  cache through a conditional.) Returns the `Rollout`."""
+  cache through a conditional.) Once every row is loaded and at most S // `bcfg.tail` slots
+  still decode, the tail: those slots are packed into S // tail slots (`_pack`) and decode
+  on, over the whole cache, so the batch's longest rows no longer pay for S slots' matmuls.
+  Returns the `Rollout`."""
   scfg = g.scfg
   B, P, T = g.shape
   C = g.policy.total_slots
+  S_tail = max(1, g.S // g.bcfg.tail) if g.S < B else g.S
 
   def more(s: DecodeState):
     # At most B * R steps: each step advances at least one row (a bound against bugs).
@@ -536,16 +554,28 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
     due = (s.next_row < B) & (n_free >= jnp.minimum(g.refill, B - s.next_row))
     return jax.lax.cond(due, functools.partial(_load, g), lambda s: s, s)
 
+  def body(s: DecodeState):
+    if S_tail == g.S:
+      return more(s)
+    tail = (s.next_row >= B) & (jnp.sum(s.active, dtype=jnp.int32) <= S_tail)
+    return more(s) & ~tail
+
   for n in kv.slot_buckets(C, block=g.bcfg.bucket):
     full = s.caches
     if n < C:
       s = s.replace(caches=tuple(kv_cache.first_slots(c, n) for c in full))
-      s = jax.lax.while_loop(lambda s, n=n: more(s) & fits(s, n),
+      s = jax.lax.while_loop(lambda s, n=n: body(s) & fits(s, n),
                              functools.partial(chunk_then_refill, n), s)
       s = s.replace(caches=tuple(kv_cache.put_first_slots(f, c)
                                  for f, c in zip(full, s.caches)))
     else:
-      s = jax.lax.while_loop(more, functools.partial(chunk_then_refill, n), s)
+      s = jax.lax.while_loop(body, functools.partial(chunk_then_refill, n), s)
+  if S_tail < g.S:
+    # The loop above stopped with every row done or at most S_tail decoding: no row is left
+    # to load, so the tail needs neither refills nor cut caches (one more compiled body).
+    s = _pack(g, s, S_tail)
+    g = dataclasses.replace(g, S=S_tail)
+    s = jax.lax.while_loop(more, functools.partial(_run_chunk, g, C), s)
 
   s = _flush(g, s, jnp.ones((g.S,), bool))
   out = s.out

@@ -159,18 +159,23 @@ class BatchingConfig:
   refill: load rows into free slots once at least this many are free (fewer when fewer rows
     are left); 0 = max(1, S // 8). Loading copies the prompt's KV into the slots and samples
     their first tokens: cheaper batched than one row at a time.
+  tail: once every row is loaded and at most S // tail slots still decode, they are packed
+    into S // tail slots for the rest (the longest rows of a batch with EOS then stop paying
+    for S slots); 1 = never. Unused when S = B.
   """
   slots: int = 0
   group_size: int = 1
   chunk: int = 16
   refill: int = 0
   bucket: int = 128
+  tail: int = 4
 
   def __post_init__(self):
     if (self.slots < 0 or self.group_size < 1 or self.refill < 0 or self.chunk < 1
-        or self.bucket < 1):
+        or self.bucket < 1 or self.tail < 1):
       raise ValueError(f"BatchingConfig(slots={self.slots}, group_size={self.group_size}, "
-                       f"chunk={self.chunk}, refill={self.refill}, bucket={self.bucket}): "
+                       f"chunk={self.chunk}, refill={self.refill}, bucket={self.bucket}, "
+                       f"tail={self.tail}): "
                        f"slots and refill must be >= 0, the others >= 1")
 
   def sizes(self, B: int) -> Tuple[int, int]:
