@@ -478,9 +478,10 @@ def _load(g: _Call, s: DecodeState) -> DecodeState:
 
 def _pack(g: _Call, s: DecodeState, n: int) -> DecodeState:
   """The state on n of its S slots, the decoding ones first (the caller ensures at most n
-  decode): the finished rows' records are flushed, the slots kept are copied once."""
+  decode), copied once. Every slot's record is flushed first (the kept rows' again when
+  they finish), so no row's record is lost even if more than n were decoding."""
   B = g.shape[0]
-  s = _flush(g, s, ~s.active)
+  s = _flush(g, s, jnp.ones(s.active.shape, bool))
   keep = jnp.argsort(~s.active, stable=True)[:n]                        # decoding first
   active = s.active[keep]
   take = lambda c: c.replace(**{k: x[keep] for k, x in kv_cache.per_slot(c).items()},
@@ -554,7 +555,7 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
     due = (s.next_row < B) & (n_free >= jnp.minimum(g.refill, B - s.next_row))
     return jax.lax.cond(due, functools.partial(_load, g), lambda s: s, s)
 
-  def body(s: DecodeState):
+  def before_tail(s: DecodeState):
     if S_tail == g.S:
       return more(s)
     tail = (s.next_row >= B) & (jnp.sum(s.active, dtype=jnp.int32) <= S_tail)
@@ -564,12 +565,12 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
     full = s.caches
     if n < C:
       s = s.replace(caches=tuple(kv_cache.first_slots(c, n) for c in full))
-      s = jax.lax.while_loop(lambda s, n=n: body(s) & fits(s, n),
+      s = jax.lax.while_loop(lambda s, n=n: before_tail(s) & fits(s, n),
                              functools.partial(chunk_then_refill, n), s)
       s = s.replace(caches=tuple(kv_cache.put_first_slots(f, c)
                                  for f, c in zip(full, s.caches)))
     else:
-      s = jax.lax.while_loop(body, functools.partial(chunk_then_refill, n), s)
+      s = jax.lax.while_loop(before_tail, functools.partial(chunk_then_refill, n), s)
   if S_tail < g.S:
     # The loop above stopped with every row done or at most S_tail decoding: no row is left
     # to load, so the tail needs neither refills nor cut caches (one more compiled body).
