@@ -101,8 +101,7 @@ def _slot_index(name: str, *index) -> tuple:
   return (*lead, *(slice(None),) * (SLOT_AXIS[name] - len(lead)), slot)
 
 
-def per_slot(cache: KVCache) -> dict:
-  """{name: array} of the fields that hold one entry per slot (k, v, pos, and score if kept)."""
+def _per_slot(cache: KVCache) -> dict:
   return {n: getattr(cache, n) for n in SLOT_AXIS if getattr(cache, n) is not None}
 
 
@@ -117,7 +116,7 @@ def empty(B: int, K: int, H: int, C: int, T: int, dtype, *, keeps_score: bool,
 
 def first_slots(cache: KVCache, n: int) -> KVCache:
   """The cache cut to its first n slots (decoding over fewer slots; the record is kept)."""
-  return cache.replace(**{k: x[_slot_index(k, slice(0, n))] for k, x in per_slot(cache).items()})
+  return cache.replace(**{k: x[_slot_index(k, slice(0, n))] for k, x in _per_slot(cache).items()})
 
 
 def put_first_slots(cache: KVCache, part: KVCache) -> KVCache:
@@ -126,7 +125,13 @@ def put_first_slots(cache: KVCache, part: KVCache) -> KVCache:
   n = part.pos.shape[-1]
   return cache.replace(
       **{k: x.at[_slot_index(k, slice(0, n))].set(getattr(part, k))
-         for k, x in per_slot(cache).items()}, evicted_at=part.evicted_at)
+         for k, x in _per_slot(cache).items()}, evicted_at=part.evicted_at)
+
+
+def take_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+  """The cache of rows `rows` [n] int32 (every per-slot field and the retention record)."""
+  return cache.replace(**{k: x[rows] for k, x in _per_slot(cache).items()},
+                       evicted_at=cache.evicted_at[rows])
 
 
 def pad_slots(cache: KVCache, C: int) -> KVCache:
@@ -134,7 +139,7 @@ def pad_slots(cache: KVCache, C: int) -> KVCache:
   n = cache.pos.shape[-1]
   pad = lambda k, x: jnp.pad(x, [(0, C - n) if a == SLOT_AXIS[k] else (0, 0)
                                  for a in range(x.ndim)], constant_values=-1 if k == "pos" else 0)
-  return cache.replace(**{k: pad(k, x) for k, x in per_slot(cache).items()})
+  return cache.replace(**{k: pad(k, x) for k, x in _per_slot(cache).items()})
 
 
 def restart_rows(cache: KVCache, new: KVCache, take: jax.Array) -> KVCache:
@@ -150,7 +155,7 @@ def restart_rows(cache: KVCache, new: KVCache, take: jax.Array) -> KVCache:
   rows = jnp.where(take, jnp.arange(B, dtype=jnp.int32), B)                # B: dropped
   full = pad_slots(new.replace(k=None, v=None), C)                          # pos, score
   out = {}
-  for name, x in per_slot(cache).items():
+  for name, x in _per_slot(cache).items():
     if name in ("k", "v"):
       idx = _slot_index(name, rows, slice(0, n))
       out[name] = _update(x, getattr(new, name),
@@ -185,7 +190,7 @@ def write(cache: KVCache, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
     b, h = jnp.arange(B)[:, None], jnp.arange(K)[None, :]
     put = lambda k, buf, x: buf.at[_slot_index(k, b, h, slot)].set(x, mode="drop")
   return cache.replace(**{k: _update(buf, new[k], functools.partial(put, k))
-                          for k, buf in per_slot(cache).items()})
+                          for k, buf in _per_slot(cache).items()})
 
 
 def attend(q: jax.Array, cache: KVCache, *, scale: Optional[float] = None):

@@ -484,11 +484,10 @@ def _pack(g: _Call, s: DecodeState, n: int) -> DecodeState:
   s = _flush(g, s, jnp.ones(s.active.shape, bool))
   keep = jnp.argsort(~s.active, stable=True)[:n]                        # decoding first
   active = s.active[keep]
-  take = lambda c: c.replace(**{k: x[keep] for k, x in kv_cache.per_slot(c).items()},
-                             evicted_at=c.evicted_at[keep])
   return s.replace(row=jnp.where(active, s.row[keep], B), index=s.index[keep],
                    tok=s.tok[keep], active=active, start=s.start[keep],
-                   budget=s.budget[keep], caches=tuple(take(c) for c in s.caches))
+                   budget=s.budget[keep],
+                   caches=tuple(kv_cache.take_rows(c, keep) for c in s.caches))
 
 
 def _run_chunk(g: _Call, n: int, s: DecodeState) -> DecodeState:
