@@ -96,6 +96,11 @@ def get_config(arg=None):
                                    #   row's slot takes the next row); 0 = all rows at once.
                                    #   16 measured fastest for this config (bench.trainer_slots)
   c.rollout.chunk = 16             # decode steps between refills and cache-bucket changes
+  c.rollout.refill = 0             # load rows once this many slots are free (0 = slots // 8)
+  c.rollout.bucket = 128           # granularity, in cache slots, of the lengths a decode step
+                                   #   reads (at most 8 sizes, each one compiled loop)
+  c.rollout.tail = 4               # once every row is loaded and <= slots // tail decode, pack
+                                   #   them into slots // tail slots (1 = never)
   c.rollout.cache = ml_collections.ConfigDict(dict(
       policy="none", ratio=0.0, capacity=0, window=8, kernel=3, recent_frac=0.5, sinks=2))
 

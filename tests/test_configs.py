@@ -247,6 +247,8 @@ def test_validate_names_the_key(key, value, msg):
      "bad config value [rl.tis_cap]: must be >= 1 (rl.objective='tis'; a cap below 1 "
      "down-weights on-policy tokens), got 0.0"),
     ({"warmup.steps": 0}, "bad config value [warmup.steps]: must be an integer >= 1, got 0"),
+    ({"rollout.tail": 0}, "bad config value [rollout.tail]: must be an integer >= 1, got 0"),
+    ({"rollout.refill": -1}, "bad config value [rollout.refill]: must be an integer >= 0, got -1"),
     ({"task.max_new_tokens": 100000},
      "bad config value [task.max_new_tokens]: 100000 tokens alone are more than the model's "
      "max_position_embeddings=512"),
@@ -268,6 +270,14 @@ def test_validate_refuses_what_the_trainer_would_reject_later(overrides, msg):
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.validate(c)
   assert str(e.value) == msg
+
+
+def test_the_trainers_rollouts_are_scheduled_as_the_config_says():
+  c = _load("tiny_trm.py")
+  c.rollout.update(slots=8, chunk=4, refill=3, bucket=32, tail=2)
+  got = programs.rollout_batching(c)
+  assert (got.slots, got.group_size, got.chunk, got.refill, got.bucket, got.tail) == (
+      8, c.rl.group_size, 4, 3, 32, 2)
 
 
 def test_positions_are_checked_against_model_path_config_json(tmp_path):

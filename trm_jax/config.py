@@ -367,8 +367,9 @@ def _validate_values(c: ml_collections.ConfigDict) -> None:
   """The values that the sampler, the optimizer, the objectives and the warm-up would reject
   only once the model has loaded or the first step compiles (their own checks stay: they
   guard the library API; these name the config key)."""
-  _int_at_least(c, 0, "seed", "rollout.top_k", "rollout.keep_topk_logprobs", "rollout.slots")
-  _int_at_least(c, 1, "rollout.chunk")
+  _int_at_least(c, 0, "seed", "rollout.top_k", "rollout.keep_topk_logprobs", "rollout.slots",
+                "rollout.refill")
+  _int_at_least(c, 1, "rollout.chunk", "rollout.bucket", "rollout.tail")
   o = c.optim
   for key in ("optim.b1", "optim.b2"):
     v = _get(c, key)

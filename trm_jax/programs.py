@@ -248,9 +248,11 @@ def rollout_sampling(c: ml_collections.ConfigDict, mcfg, R: int):
 
 def rollout_batching(c: ml_collections.ConfigDict) -> BatchingConfig:
   """How the training rollouts schedule their rows: rollout.slots decode at once (continuous
-  batching), each problem's rl.group_size rollouts prefilled once."""
-  return BatchingConfig(slots=c.rollout.slots, group_size=c.rl.group_size,
-                        chunk=c.rollout.chunk)
+  batching), each problem's rl.group_size rollouts prefilled once; rollout.chunk, refill,
+  bucket and tail as `BatchingConfig` says."""
+  r = c.rollout
+  return BatchingConfig(slots=r.slots, group_size=c.rl.group_size, chunk=r.chunk,
+                        refill=r.refill, bucket=r.bucket, tail=r.tail)
 
 
 def _abstract_prompts(n: int, on: jax.sharding.Mesh, *, P: int) -> tuple:
