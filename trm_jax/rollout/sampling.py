@@ -47,7 +47,15 @@ def _scaled(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return x
   x = x / cfg.temperature
   if cfg.truncates:
-    x = jnp.where(x >= _threshold(x, cfg), x, -jnp.inf)
+    thr = _threshold(x, cfg)                                    # [..., 1]
+    # The token the threshold came from is kept by its index as well as by value: XLA may
+    # compute x twice, in the sort's fusion and in this one, and the two can differ in the
+    # last bit (seen on XLA:CPU at optimisation level 0 on an Intel Xeon), which dropped that
+    # token from the sampler's distribution and not from the learner's. It is the token
+    # nearest the threshold (a reduction; a sort carrying indices cost 20 % more).
+    at = jnp.argmin(jnp.abs(x - thr), axis=-1, keepdims=True)
+    vocab = jax.lax.broadcasted_iota(at.dtype, x.shape, x.ndim - 1)
+    x = jnp.where((x >= thr) | (vocab == at), x, -jnp.inf)
   return x
 
 
