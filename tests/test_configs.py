@@ -280,6 +280,17 @@ def test_the_trainers_rollouts_are_scheduled_as_the_config_says():
       8, c.rl.group_size, 4, 3, 32, 2)
 
 
+def test_the_configs_batching_defaults_are_the_samplers():
+  # Written twice (the config file does not import the sampler): the library's defaults
+  # (BatchingConfig, generate's keywords) and the trainer's must not drift apart.
+  import dataclasses, inspect  # pylint: disable=g-import-not-at-top,multiple-import
+  from trm_jax.rollout import BatchingConfig, generate  # pylint: disable=g-import-not-at-top
+  c = _load("tiny_trm.py").rollout
+  lib = {f.name: f.default for f in dataclasses.fields(BatchingConfig)}
+  for key in ("chunk", "refill", "bucket", "tail"):
+    assert c[key] == lib[key] == inspect.signature(generate).parameters[key].default, key
+
+
 def test_positions_are_checked_against_model_path_config_json(tmp_path):
   """With model.path the limits come from its config.json, before any weight is read."""
   (tmp_path / "config.json").write_text('{"max_position_embeddings": 64, "vocab_size": 40}')

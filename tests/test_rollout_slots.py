@@ -7,6 +7,7 @@ slots give every row the tokens of the
 all-at-once sampler, with log-probs equal to fp32 rounding and the same retention record and
 expert choices; a group's prompt is prefilled once; the learner still replays every row.
 """
+import dataclasses
 import os
 import re
 import subprocess
@@ -57,11 +58,9 @@ def _generate(model, cache, batching, *, noise=False, ids=None, lens=None):
   if noise:
     kw = dict(logit_noise=0.7, router_noise_scale=1.0 if model.moe_layers else 0.0,
               record_routing=bool(model.moe_layers))
-  scfg = sampler_lib.sampling_config(model.config, max_new_tokens=R, eos_ids=EOS, **kw)
-  graphdef, state = nnx.split(model)
-  return sampler_lib.generate_from_state(graphdef, state, ids, lens, key=KEY,
-                                         sampling_config=scfg, cache_config=cache,
-                                         batching=batching)
+  # The public entry point, every BatchingConfig field passed as its keyword argument.
+  return sampler_lib.generate(model, ids, lens, max_new_tokens=R, key=KEY, eos_ids=EOS,
+                              cache=cache, **dataclasses.asdict(batching), **kw)
 
 
 # One layer: every mechanism is per layer, and compiling 20 sampler programs is this file's cost.

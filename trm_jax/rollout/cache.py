@@ -88,7 +88,8 @@ def slot_buckets(C: int, *, block: int = 128, most: int = 8) -> Tuple[int, ...]:
   `block` slots, grown so that there are at most `most`), ending at C. A chunk of decode steps
   runs on the smallest bucket that holds every slot it can fill, so a step reads at most one
   block (about C / most) more than the filled part: linear in the live length, not the
-  capacity. Each bucket is one branch of the sampler's `lax.switch`, compiled once."""
+  capacity. Each bucket is one stage of the sampler's decode loop (its own compiled decode
+  and refill bodies), so fewer buckets compile faster and read more per step."""
   per = -(-C // most)                                   # ceil(C / most)
   blk = max(block, -(-per // block) * block)            # rounded up to a block
   return tuple(range(blk, C, blk)) + (C,)

@@ -153,7 +153,8 @@ def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax
              keep_topk_logprobs: int = 0, keep_full_logprobs: bool = False,
              compute_dtype=None, logit_noise: float = 0.0, router_noise_scale: float = 0.0,
              record_routing: bool = False, attn_impl: str = "auto", slots: int = 0,
-             group_size: int = 1, chunk: int = 16, refill: int = 0) -> Rollout:
+             group_size: int = 1, chunk: int = 16, refill: int = 0, bucket: int = 128,
+             tail: int = 4) -> Rollout:
   """Samples `max_new_tokens` continuations of left-padded prompts.
 
   Args:
@@ -175,8 +176,8 @@ def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax
       MoE layer ran for every prompt and sampled token (with jitter, the jittered choice),
       for routing replay in the learner (`model(tokens, routing=...)`).
     attn_impl: prefill attention implementation (`kernels.attention`).
-    slots, group_size, chunk, refill: continuous batching and shared prompts
-      (`BatchingConfig`):
+    slots, group_size, chunk, refill, bucket, tail: continuous batching and shared prompts
+      (`BatchingConfig`, whose defaults these are):
       S = slots rows decode at once (0 = all), rows [g*G, (g+1)*G) share one prompt,
       prefilled once. Every draw of a row is keyed by (key, row, array index), so neither
       changes what a row samples.
@@ -194,7 +195,7 @@ def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax
                              prompt_lengths, key=key, sampling_config=scfg, cache_config=cache,
                              attn_impl=attn_impl, batching=BatchingConfig(
                                  slots=slots, group_size=group_size, chunk=chunk,
-                                 refill=refill))
+                                 refill=refill, bucket=bucket, tail=tail))
 
 
 def sampling_config(model_config, *, eos_ids: Optional[Sequence[int]] = None,
