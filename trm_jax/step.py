@@ -180,7 +180,7 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   c, task = ctx.c, ctx.task
   t0 = time.time()
   step = state.step + 1
-  k_perm = jax.random.split(jax.random.fold_in(ctx.rng, step))[1]
+  k_perm = step_keys(ctx.rng, step)[1]
 
   # --- (1) prompts and (2) rollout: pi_roll (sampler dtype, noise, cache, staleness) ---------
   fl = state.pending if state.pending is not None else dispatch_rollout(ctx, state)
@@ -211,9 +211,9 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   batch, seq_mask, metrics = score_rollout(ctx, state.params, ro)
 
   # --- (5) advantages: GRPO, per group of rl.group_size rollouts of one prompt ---------------
-  adv = adv_lib.group_advantages(jnp.asarray(rewards), group_size=c.rl.group_size,
-                                 normalize_std=c.rl.normalize_std, seq_mask=seq_mask,
-                                 baseline=c.rl.baseline)
+  adv = _group_advantages(rewards, group_size=c.rl.group_size,
+                          normalize_std=c.rl.normalize_std, seq_mask=seq_mask,
+                          baseline=c.rl.baseline)
   if step == c.debug.nan_step:
     adv = jnp.full_like(adv, jnp.nan)  # fault injection: the loss and every gradient are NaN
   batch = batch.replace(advantages=shd.put_batch(adv, ctx.mesh))
@@ -274,10 +274,9 @@ def run_updates(ctx: RLContext, state: TrainState, batch: LearnerBatch, k_perm: 
   mb_size = c.rl.batch_size // c.rl.num_minibatches
   upd = []
   for epoch in range(c.rl.num_epochs):
-    perm = jax.random.permutation(jax.random.fold_in(k_perm, epoch), c.rl.batch_size)
+    order = _minibatch_rows(k_perm, epoch, n=c.rl.batch_size, mb=mb_size)   # [n / mb, mb]
     for i in range(c.rl.num_minibatches):
-      idx = perm[i * mb_size:(i + 1) * mb_size]
-      mb = shd.put_batch(jax.tree.map(lambda x: x[idx], batch), ctx.mesh)
+      mb = shd.put_batch(_take_rows(batch, order, i), ctx.mesh)
       with oom_hints("learner update"):
         params, opt_state, aux = ctx.update(params, opt_state, ctx.rest, mb)
       if not upd:
@@ -295,7 +294,7 @@ def dispatch_rollout(ctx: RLContext, state: TrainState) -> InFlight:
   """
   c, task = ctx.c, ctx.task
   step = state.step + 1
-  k_roll = jax.random.split(jax.random.fold_in(ctx.rng, step))[0]
+  k_roll = step_keys(ctx.rng, step)[0]
   problems = task.batch(state.data_pos, c.rl.batch_size // c.rl.group_size)
   pb = task.prompts(problems, c.rl.group_size)
   params = state.history[0] if state.history else state.params
@@ -408,6 +407,32 @@ def _evaluate_rows(ctx: RLContext, program, state, pb, problems, key) -> np.ndar
 # ------------------------------------------------------------------------------------------
 # Helpers
 # ------------------------------------------------------------------------------------------
+# The step's small computations are jitted: run eagerly, each jnp op is a program of its own,
+# lowered and compiled (or read from the persistent cache) in every process, about 40 of them
+# per trainer start, each costing tens of milliseconds.
+@jax.jit
+def step_keys(rng: jax.Array, step) -> tuple[jax.Array, jax.Array]:
+  """(rollout key, minibatch-order key) of step `step`."""
+  k = jax.random.split(jax.random.fold_in(rng, step))
+  return k[0], k[1]
+
+
+@functools.partial(jax.jit, static_argnames=("n", "mb"))
+def _minibatch_rows(k_perm: jax.Array, epoch, *, n: int, mb: int) -> jax.Array:
+  """[n / mb, mb] the rows of each minibatch of epoch `epoch`: a permutation of the batch."""
+  return jax.random.permutation(jax.random.fold_in(k_perm, epoch), n).reshape(n // mb, mb)
+
+
+@jax.jit
+def _take_rows(batch, order: jax.Array, i):
+  """The rows order[i] of every array of `batch`."""
+  return jax.tree.map(lambda x: x[order[i]], batch)
+
+
+_group_advantages = jax.jit(adv_lib.group_advantages,
+                            static_argnames=("group_size", "normalize_std", "baseline", "eps"))
+
+
 def host(x: jax.Array) -> np.ndarray:
   """The full value of a (possibly multi-process) global array on this host."""
   if jax.process_count() == 1:
