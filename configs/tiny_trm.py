@@ -32,6 +32,9 @@ def get_config(arg=None):
   c.ckpt_every = 50                # orbax checkpoint cadence (steps)
   c.keep_ckpts = 2                 # checkpoints kept
   c.export_hf = True               # write the final policy as an HF checkpoint (workdir/hf)
+  c.plot = True                    # draw workdir/curves.png at the end (about 1.5 s: a sweep
+                                   #   of many cells, whose runner plots them together, may
+                                   #   turn it off)
 
   # Model
   c.model = ml_collections.ConfigDict()

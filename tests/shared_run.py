@@ -43,8 +43,10 @@ class SharedRun:
     return self.root / "base"
 
   def overrides(self) -> dict:
-    """Config overrides that select the shared base model."""
-    return {**TINY_BASE, "warmup.cache_dir": str(self.base_dir)}
+    """Config overrides that select the shared base model, and no curves.png: drawing it
+    costs a trainer process about 1.5 s of CPU (importing matplotlib, laying out, saving),
+    and the suite starts dozens of them (test_notebooks' quickstart run draws it, and checks)."""
+    return {**TINY_BASE, "warmup.cache_dir": str(self.base_dir), "plot": False}
 
   def cli_args(self, flag: str = "--config.") -> list[str]:
     """The overrides as `--config.key=value` flags (or `--set key=value` with flag="")."""

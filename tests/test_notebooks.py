@@ -198,6 +198,7 @@ def test_quickstart(kernel, monkeypatch, tmp_path, shared_run):
   cfg = json.loads((workdir / "config.json").read_text())
   assert (cfg["total_steps"], cfg["rl"]["batch_size"], cfg["warmup"]["steps"]) == (3, 16, 20)
   assert (cache / "warmup.json").is_file()  # the base model was built in tmp, not ~/.cache
+  assert (workdir / "curves.png").stat().st_size > 0   # config.plot is on by default
   summ = json.loads((workdir / "summary.json").read_text())
   acc = summ["eval"]["greedy_accuracy"]
   assert summ["summary"]["evals"]["greedy_accuracy"]["last"] == acc

@@ -79,3 +79,4 @@ def test_wheel_in_a_fresh_venv_runs_a_shipped_config_by_name(tmp_path, shared_ru
         "--config.eval_problems=0", "--config.export_hf=False", *shared_run.cli_args()],
        cwd=outside, env=env)
   assert (workdir / "summary.json").exists()
+  assert not (workdir / "curves.png").exists()   # --config.plot=False (shared_run's overrides)

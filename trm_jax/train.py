@@ -243,7 +243,8 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
   if not lead:
     return result
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  plot_curves(metrics_path, os.path.join(workdir, "curves.png"))
+  if c.plot:
+    plot_curves(metrics_path, os.path.join(workdir, "curves.png"))
   s = summarize(metrics_path, key="reward", final_keys=DEFAULT_SUMMARY_KEYS)
   result["summary"] = s
   if c.export_hf:

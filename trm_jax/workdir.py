@@ -33,7 +33,7 @@ CONFIG_FILE = "config.json"
 # Config keys whose change on resume does not alter the training trajectory (logging,
 # evaluation, checkpoint cadence, export, placement). A prefix ending in "." covers a section.
 FREE_KEYS = ("log_every", "eval_every", "eval_problems", "eval_samples", "eval_temperature",
-             "eval_top_p", "ckpt_every", "keep_ckpts", "export_hf", "warmup.cache_dir",
+             "eval_top_p", "ckpt_every", "keep_ckpts", "export_hf", "plot", "warmup.cache_dir",
              "mesh.")
 
 
