@@ -1,6 +1,8 @@
 """Experiment configs: every shipped config validates, the two paper-scale configs are
 consistent with their architectures (abstract shapes, nothing allocated), and bad overrides
 fail before any work with a message naming the key."""
+import dataclasses
+import inspect
 import logging
 import os
 import subprocess
@@ -14,6 +16,7 @@ from flax import nnx
 from trm_jax import config as config_lib
 from trm_jax.kernels import NEVER_EVICTED
 from trm_jax.models import Decoder, ModelConfig
+from trm_jax.rollout import BatchingConfig, generate
 from trm_jax.rl.learner import LearnerBatch, make_learner
 from trm_jax import programs, step
 
@@ -283,8 +286,6 @@ def test_the_trainers_rollouts_are_scheduled_as_the_config_says():
 def test_the_configs_batching_defaults_are_the_samplers():
   # Written twice (the config file does not import the sampler): the library's defaults
   # (BatchingConfig, generate's keywords) and the trainer's must not drift apart.
-  import dataclasses, inspect  # pylint: disable=g-import-not-at-top,multiple-import
-  from trm_jax.rollout import BatchingConfig, generate  # pylint: disable=g-import-not-at-top
   c = _load("tiny_trm.py").rollout
   lib = {f.name: f.default for f in dataclasses.fields(BatchingConfig)}
   for key in ("chunk", "refill", "bucket", "tail"):

@@ -180,7 +180,7 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   c, task = ctx.c, ctx.task
   t0 = time.time()
   step = state.step + 1
-  k_perm = step_keys(ctx.rng, step)[1]
+  k_perm = _step_keys(ctx.rng, step)[1]
 
   # --- (1) prompts and (2) rollout: pi_roll (sampler dtype, noise, cache, staleness) ---------
   fl = state.pending if state.pending is not None else dispatch_rollout(ctx, state)
@@ -294,7 +294,7 @@ def dispatch_rollout(ctx: RLContext, state: TrainState) -> InFlight:
   """
   c, task = ctx.c, ctx.task
   step = state.step + 1
-  k_roll = step_keys(ctx.rng, step)[0]
+  k_roll = _step_keys(ctx.rng, step)[0]
   problems = task.batch(state.data_pos, c.rl.batch_size // c.rl.group_size)
   pb = task.prompts(problems, c.rl.group_size)
   params = state.history[0] if state.history else state.params
@@ -411,7 +411,7 @@ def _evaluate_rows(ctx: RLContext, program, state, pb, problems, key) -> np.ndar
 # lowered and compiled (or read from the persistent cache) in every process, about 40 of them
 # per trainer start, each costing tens of milliseconds.
 @jax.jit
-def step_keys(rng: jax.Array, step) -> tuple[jax.Array, jax.Array]:
+def _step_keys(rng: jax.Array, step) -> tuple[jax.Array, jax.Array]:
   """(rollout key, minibatch-order key) of step `step`."""
   k = jax.random.split(jax.random.fold_in(rng, step))
   return k[0], k[1]
