@@ -59,6 +59,14 @@ def _sbatch(cluster, env, *args):
   return p.stdout.strip().split(";")[0]
 
 
+def _log(path: str) -> str:
+  """A job's output file. A step's tasks write it together, and their writes can interleave
+  inside a multi-byte character (the progress bar's blocks), so undecodable bytes are
+  replaced; what the tests look for in it is ASCII."""
+  with open(path, errors="replace") as f:
+    return f.read()
+
+
 def _steps(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [r["step"] for r in map(json.loads, f) if "reward" in r]
@@ -79,11 +87,11 @@ def test_srun_two_tasks_are_one_two_process_run_resumed_after_scancel(cluster, s
   ckpt = os.path.join(workdir, "ckpt")
   t0 = time.time()
   while not (os.path.isdir(ckpt) and any(d.isdigit() and int(d) >= 1 for d in os.listdir(ckpt))):
-    assert time.time() - t0 < TIMEOUT, open(out.replace("%j", job)).read()[-3000:]
+    assert time.time() - t0 < TIMEOUT, _log(out.replace("%j", job))[-3000:]
     time.sleep(0.5)
   subprocess.run(["scancel", job], env=env, check=True, timeout=30)
   cluster.wait_job(job, 120)
-  first = open(out.replace("%j", job)).read()
+  first = _log(out.replace("%j", job))
   assert "2 processes" in first, first[-3000:]          # one run of two processes
   assert not os.path.exists(os.path.join(workdir, "summary.json"))
   done_before = _steps(workdir)
@@ -92,7 +100,7 @@ def test_srun_two_tasks_are_one_two_process_run_resumed_after_scancel(cluster, s
   job2 = _sbatch(cluster, env, "--ntasks=2", f"--output={out}", "--wrap",
                  subprocess.list2cmdline(train))
   cluster.wait_job(job2, TIMEOUT)
-  second = open(out.replace("%j", job2)).read()
+  second = _log(out.replace("%j", job2))
   assert os.path.exists(os.path.join(workdir, "summary.json")), second[-3000:]
   assert "resumed from step" in second and "2 processes" in second
   steps = _steps(workdir)
@@ -123,14 +131,15 @@ def test_sweep_backend_slurm_job_array(cluster, shared_run, tmp_path):
   bad_cell = next(n for n, s in rows.items() if s == "failed")
   assert _steps(os.path.join(workdir, "cells", ok_cell)) == [1, 2]
   bad_log = os.path.join(workdir, "cells", bad_cell, "log.txt")
-  assert open(bad_log).read().count("no_such_checkpoint") >= 1
+  assert _log(bad_log).count("no_such_checkpoint") >= 1
   assert os.path.exists(os.path.join(workdir, "results.csv"))
 
   # Re-run as two processes per cell: the done cell is skipped, the failed one resubmitted as
   # one 2-task step (both tasks write its log), and a third run while it is queued submits
   # nothing.
   def errors():   # the cell's own one-line error, once per process that ran it
-    return [l for l in open(bad_log) if l.startswith("error: ") and "no_such_checkpoint" in l]
+    return [l for l in _log(bad_log).splitlines()
+            if l.startswith("error: ") and "no_such_checkpoint" in l]
   before = len(errors())
   # The partition is down while the two sweeps run, so the submitted cell is still queued when
   # the third looks (it fails within seconds once it runs: a race the test would otherwise be).
@@ -149,7 +158,7 @@ def test_sweep_backend_slurm_job_array(cluster, shared_run, tmp_path):
   # srun sees exit first decides whether it reports "tasks 0-1: Exited" or one task exited and
   # the other terminated; either way the step failed with a task's exit code 1.
   assert re.search(r"srun: error: localhost: tasks? [0-9-]+: Exited with exit code 1",
-                   open(bad_log).read())
+                   _log(bad_log))
   rc, log = _sweep(env, "--workdir", workdir, "--aggregate")
   assert rc == 1 and f"not ok: ['{bad_cell}']" in log, log
 
