@@ -25,6 +25,7 @@ def get_config(arg=None):
   c.model.arch.update(dict(intermediate_size=384, num_experts=8, num_experts_per_tok=2,
                            moe_intermediate_size=96))
   c.warmup.cache_dir = "~/.cache/trm_jax/tiny_moe_base"
+  c.warmup.answer_only_frac = 0.0   # worked demonstrations only, as its committed results
   c.rollout.dtype = "bfloat16"
   c.rollout.logit_noise = 0.0
   c.rollout.router_noise = 1.0

@@ -26,6 +26,7 @@ def get_config(arg=None):
   # leaves GRPO no signal to compare the learners by. Its own base model (task differs).
   c.task.synthetic.filler = 2
   c.warmup.cache_dir = "~/.cache/trm_jax/tiny_filler_base"
+  c.warmup.answer_only_frac = 0.0   # worked demonstrations only, as its committed results
   c.rollout.cache.policy = "h2o"
   c.rollout.cache.ratio = 0.5
   c.smd.mode = "smd"

@@ -47,6 +47,9 @@ CONTROL = "frozen"
 CURVE_KEYS = ("reward", "trm/delta_hat", "trm/reject_rate")
 # Staleness is the only mismatch: no bf16, no logit noise.
 PURE = {"rollout.dtype": "float32", "rollout.logit_noise": 0.0}
+# The base of the committed results: warmed up on worked demonstrations only (the main job's
+# answer-only mix came later), cached apart from the main job's; --set may override both.
+BASE = {"warmup.answer_only_frac": 0.0, "warmup.cache_dir": "~/.cache/trm_jax/tiny_worked_base"}
 
 
 def build_cells(methods, ks, seeds, fixed: dict) -> tuple[list[sweep.Cell], dict]:
@@ -163,7 +166,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   methods = report.choices(p, args.methods, METHODS)
   ks = [int(k) for k in args.staleness.split(",")]
-  fixed = report.fixed_overrides(args, eval_every=args.steps, eval_samples=args.eval_samples)
+  fixed = report.fixed_overrides(args, eval_every=args.steps, eval_samples=args.eval_samples,
+                                 **BASE)
   cells, groups = build_cells(methods, ks, [int(s) for s in args.seeds.split(",")], fixed)
   rows = report.run_grid(CONFIG, cells, args)
   curve_groups = {f"{m},k={k}" if m != CONTROL else m: cs for (m, k), cs in groups.items()}

@@ -250,6 +250,8 @@ def test_validate_names_the_key(key, value, msg):
      "bad config value [rl.tis_cap]: must be >= 1 (rl.objective='tis'; a cap below 1 "
      "down-weights on-policy tokens), got 0.0"),
     ({"warmup.steps": 0}, "bad config value [warmup.steps]: must be an integer >= 1, got 0"),
+    ({"warmup.answer_only_frac": 1.5},
+     "bad config value [warmup.answer_only_frac]: must be in [0, 1], got 1.5"),
     ({"rollout.tail": 0}, "bad config value [rollout.tail]: must be an integer >= 1, got 0"),
     ({"rollout.refill": -1}, "bad config value [rollout.refill]: must be an integer >= 0, got -1"),
     ({"task.max_new_tokens": 100000},

@@ -11,7 +11,8 @@ from trm_jax.data.rewards import math_reward
 from trm_jax.data.synthetic import (SyntheticConfig, SyntheticConfigError, format_problem,
                                     make_synthetic_tokenizer, max_completion_chars,
                                     max_completion_tokens, max_prompt_chars, max_prompt_tokens,
-                                    problem_at, problem_batch)
+                                    demonstration_at, demonstration_batch, problem_at,
+                                    problem_batch)
 
 CONFIGS = [
     SyntheticConfig(),
@@ -105,6 +106,33 @@ def test_deterministic_by_seed_and_index():
   assert a[0].uid == "synthetic:7:10"
   assert len({p.prompt for p in problem_batch(cfg, 7, 0, 50)}) > 40
   assert [p.prompt for p in problem_batch(cfg, 8, 10, 5)] != [p.prompt for p in a]
+
+
+def test_demonstrations_are_the_problems_some_written_answer_only():
+  """The warm-up's mix (`warmup.answer_only_frac`): same problems and answers as `problem_at`,
+  the solution's form drawn per (seed, index); 0 is exactly the worked stream."""
+  config = SyntheticConfig(max_operands=6, max_value=19)
+  problems = problem_batch(config, 3, 100, 2000)
+  assert demonstration_batch(config, 3, 100, 2000, 0.0) == problems
+  demos = demonstration_batch(config, 3, 100, 2000, 0.3)
+  assert demos == [demonstration_at(config, 3, 100 + i, 0.3) for i in range(2000)]
+  answer_only = dataclasses.replace(config, show_every=0)
+  n_short = 0
+  for p, d in zip(problems, demos):
+    assert (d.prompt, d.answer, d.uid) == (p.prompt, p.answer, p.uid)
+    if d.solution != p.solution:
+      assert d == problem_at(answer_only, 3, int(p.uid.rsplit(":", 1)[1]))
+      assert d.solution == f"#### {p.answer}"
+      n_short += 1
+  # Binomial(2000, 0.3): s.e. 0.0102; 5 s.e. either side.
+  assert abs(n_short / 2000 - 0.3) < 0.051
+  # A larger fraction only adds answer-only rows (one uniform draw per index).
+  more = demonstration_batch(config, 3, 100, 2000, 0.6)
+  assert all(m == d for m, d, p in zip(more, demos, problems) if d.solution != p.solution)
+  assert all(demonstration_batch(config, 3, 100, 2000, 1.0)[i].solution == f"#### {p.answer}"
+             for i, p in enumerate(problems))
+  with pytest.raises(ValueError, match="answer_only_frac must be in"):
+    demonstration_at(config, 3, 0, -0.1)
 
 
 @pytest.mark.parametrize("bad,fields,detail", [

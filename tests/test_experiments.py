@@ -216,3 +216,22 @@ def test_report_helpers():
   p = report.paired([1.0, 2.0, 3.5], [0.5, 1.0, 3.0])
   assert p.se == pytest.approx(np.std([0.5, 1.0, 0.5], ddof=1) / math.sqrt(3))
   assert report.markdown_table(["a", "b"], [[1, 2]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
+
+
+def test_answer_forms_counts_what_it_samples(shared_run):
+  """experiments.answer_forms on the session's base: every sampled response is counted once,
+  in its form and operand count, and the accuracies are those counts' means."""
+  from experiments import answer_forms  # pylint: disable=g-import-not-at-top
+  assert answer_forms.answer_only("#### 12") and answer_forms.answer_only("\\boxed{3}\n")
+  assert not answer_forms.answer_only("3+9=12\n#### 12")
+  c = shared_run.config()
+  r = answer_forms.forms(str(shared_run.base_dir), c, problems=8, samples=3, seed=0)
+  assert r["n"] == 24 == r["answer_only"]["n"] + r["worked"]["n"]
+  assert r["answer_only_frac"] == r["answer_only"]["n"] / 24
+  by_k = r["by_operands"]
+  assert {int(k) for k in by_k} <= set(range(2, c.task.synthetic.max_operands + 1))
+  assert sum(s["n"] for s in by_k.values()) == 24
+  correct = sum(s["accuracy"] * s["n"] for s in by_k.values())
+  assert math.isclose(r["accuracy"] * 24, correct, abs_tol=1e-9)
+  parts = [r[f]["accuracy"] * r[f]["n"] for f in ("answer_only", "worked") if r[f]["n"]]
+  assert math.isclose(sum(parts), correct, abs_tol=1e-9)

@@ -403,6 +403,9 @@ def _validate_values(c: ml_collections.ConfigDict) -> None:
   if not c.model.path:   # the warm-up builds the base model
     _positive_int(c, "warmup.steps", "warmup.batch_size")
     _non_negative(c, "warmup.lr")
+    f = c.warmup.answer_only_frac
+    _require(isinstance(f, (int, float)) and 0.0 <= f <= 1.0, ["warmup.answer_only_frac"],
+             f"must be in [0, 1], got {f!r}")
 
 
 def synthetic_config(section: ml_collections.ConfigDict):

@@ -1,8 +1,8 @@
 """Supervised warm-up: builds the tiny base model that the main job's RL starts from.
 
 RL from a random policy gets zero reward on any task worth the name, so the default job first
-teaches a tiny decoder the synthetic task's worked-solution format by teacher forcing, then
-saves it as a Hugging Face checkpoint (config.json + safetensors + tokenizer files). The result
+teaches a tiny decoder the synthetic task by teacher forcing on demonstrations (a fraction
+`warmup.answer_only_frac` of them give the answer alone, the rest work the sum out), then saves it as a Hugging Face checkpoint (config.json + safetensors + tokenizer files). The result
 is an ordinary checkpoint: `trm_jax.models.from_pretrained` and transformers both load it.
 
 The checkpoint directory carries `warmup.json` with the settings that produced it; the main
@@ -101,7 +101,8 @@ def build_base_model(c: ml_collections.ConfigDict, out_dir: str, *,
   t0 = time.time()
   for i in range(w.steps):
     # Warm-up data come from their own stream (seed + 1), disjoint from RL prompts (seed).
-    problems = synthetic.problem_batch(task_cfg, c.seed + 1, i * w.batch_size, w.batch_size)
+    problems = synthetic.demonstration_batch(task_cfg, c.seed + 1, i * w.batch_size,
+                                             w.batch_size, w.answer_only_frac)
     b = make_sft_batch(tok, problems, max_len=T)
     params, opt_state, loss = step(params, opt_state, jnp.asarray(b.tokens),
                                    jnp.asarray(b.loss_mask), jnp.asarray(b.lengths))

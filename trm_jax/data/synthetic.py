@@ -164,6 +164,27 @@ def problem_batch(config: SyntheticConfig, seed: int, start: int, n: int) -> lis
   return [problem_at(config, seed, start + i) for i in range(n)]
 
 
+def demonstration_at(config: SyntheticConfig, seed: int, index: int,
+                     answer_only_frac: float) -> Problem:
+  """Warm-up demonstration `index` of stream `seed`: `problem_at`'s problem, its solution
+  written answer-only (`show_every=0`) with probability `answer_only_frac`, else worked.
+
+  The draw is its own pure function of (seed, index), so the operands, the answer and the
+  uid are `problem_at`'s whatever the fraction; only the solution's form changes.
+  """
+  if not 0.0 <= answer_only_frac <= 1.0:
+    raise ValueError(f"answer_only_frac must be in [0, 1], got {answer_only_frac!r}")
+  u = np.random.default_rng(np.random.SeedSequence([seed, index, 1])).random()
+  form = dataclasses.replace(config, show_every=0) if u < answer_only_frac else config
+  return problem_at(form, seed, index)
+
+
+def demonstration_batch(config: SyntheticConfig, seed: int, start: int, n: int,
+                        answer_only_frac: float) -> list[Problem]:
+  """Demonstrations start .. start+n-1 of stream `seed` (`demonstration_at`)."""
+  return [demonstration_at(config, seed, start + i, answer_only_frac) for i in range(n)]
+
+
 def max_completion_chars(config: SyntheticConfig) -> int:
   """An upper bound on len(solution) (one token per character with the synthetic tokenizer).
 
