@@ -32,8 +32,9 @@ def answer_only(completion: str) -> bool:
 
 
 def forms(checkpoint: str, c, problems: int, samples: int, seed: int) -> dict:
-  """{answer_only_frac, accuracy, by_form: {form: {n, accuracy}}, by_operands: {k: ...}}
-  over `problems` held-out problems x `samples` samples of `checkpoint`."""
+  """How `checkpoint` answers `problems` held-out problems of config `c`, `samples` draws
+  each from sampling key `seed`: {n, accuracy, answer_only_frac, answer_only: {n, accuracy},
+  worked: {n, accuracy}, by_operands: {operand count: the same without by_operands}}."""
   import jax  # pylint: disable=g-import-not-at-top
   from trm_jax.data.rewards import math_reward  # pylint: disable=g-import-not-at-top
   from trm_jax.data.task import Task  # pylint: disable=g-import-not-at-top
