@@ -2,7 +2,8 @@
 
 RL from a random policy gets zero reward on any task worth the name, so the default job first
 teaches a tiny decoder the synthetic task by teacher forcing on demonstrations (a fraction
-`warmup.answer_only_frac` of them give the answer alone, the rest work the sum out), then saves it as a Hugging Face checkpoint (config.json + safetensors + tokenizer files). The result
+`warmup.answer_only_frac` of them give the answer alone, the rest work the sum out), then
+saves it as a Hugging Face checkpoint (config.json + safetensors + tokenizer files). The result
 is an ordinary checkpoint: `trm_jax.models.from_pretrained` and transformers both load it.
 
 The checkpoint directory carries `warmup.json` with the settings that produced it; the main
