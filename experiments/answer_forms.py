@@ -41,6 +41,7 @@ def forms(checkpoint: str, c, problems: int, samples: int, seed: int) -> dict:
   from trm_jax.data.tokenizer import load_tokenizer  # pylint: disable=g-import-not-at-top
   from trm_jax.models import from_pretrained  # pylint: disable=g-import-not-at-top
   from trm_jax.rollout import generate  # pylint: disable=g-import-not-at-top
+  from trm_jax.step import completions_of  # pylint: disable=g-import-not-at-top
 
   tok = load_tokenizer(checkpoint)
   model = from_pretrained(checkpoint)
@@ -51,12 +52,9 @@ def forms(checkpoint: str, c, problems: int, samples: int, seed: int) -> dict:
   roll = generate(model, pb.tokens, pb.lengths, max_new_tokens=task.max_new_tokens,
                   key=jax.random.key(seed), temperature=c.eval_temperature,
                   top_p=c.eval_top_p)
-  tokens = np.asarray(roll.tokens)[:, P:]
-  mask = np.asarray(roll.response_mask)[:, P:] > 0
   rows = []
-  for b in range(tokens.shape[0]):
+  for b, text in enumerate(completions_of(tok, roll, P)):
     p = probs[b // samples]
-    text = tok.decode(tokens[b][mask[b]].tolist())
     rows.append((p.prompt.count("+") + p.prompt.count("-") + 1, answer_only(text),
                  math_reward(text, p.answer) > 0))
 
@@ -90,8 +88,7 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default="", help="also write the JSON here")
   args = ap.parse_args(argv)
   from trm_jax import sweep  # pylint: disable=g-import-not-at-top
-  c = sweep.cell_config(args.config, [(k, sweep._literal(v)) for k, _, v in
-                                      (s.partition("=") for s in args.set)])
+  c = sweep.cell_config(args.config, sweep.parse_sets(args.set).items())
   result = {"config": os.path.relpath(args.config, REPO) if args.config.startswith(REPO)
             else args.config, "overrides": args.set, "problems": args.problems,
             "samples": args.samples,

@@ -178,7 +178,7 @@ def fixed_overrides(args, **extra) -> dict:
   fixed = {"total_steps": args.steps, "rl.batch_size": args.batch, "optim.lr": args.lr,
            "eval_problems": args.eval_problems, "ckpt_every": max(1, args.steps // 2),
            **extra}
-  fixed.update({k: sweep._literal(v) for k, _, v in (s.partition("=") for s in args.set)})
+  fixed.update(sweep.parse_sets(args.set))
   return fixed
 
 

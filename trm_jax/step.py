@@ -440,18 +440,22 @@ def host(x: jax.Array) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def completions_of(tok, rollout, P: int) -> list[str]:
+  """[B] decoded responses of a rollout whose prompts are P columns wide (every process
+  decodes every row)."""
+  tokens = host(rollout.tokens)[:, P:]
+  mask = host(rollout.response_mask)[:, P:] > 0
+  return [tok.decode(tokens[b][mask[b]].tolist()) for b in range(tokens.shape[0])]
+
+
 def rewards_of(tok, rollout, problems, problem_ids, P: int) -> np.ndarray:
   """[B] float32 reward of each decoded completion against its problem's answer.
 
   Every process scores every row (cheap, and all then hold the same advantages without a
   collective)."""
-  tokens = host(rollout.tokens)[:, P:]
-  mask = host(rollout.response_mask)[:, P:] > 0
-  out = np.zeros(tokens.shape[0], np.float32)
-  for b in range(tokens.shape[0]):
-    text = tok.decode(tokens[b][mask[b]].tolist())
-    out[b] = math_reward(text, problems[problem_ids[b]].answer)
-  return out
+  texts = completions_of(tok, rollout, P)
+  return np.array([math_reward(t, problems[problem_ids[b]].answer) for b, t in enumerate(texts)],
+                  np.float32)
 
 
 class OutOfMemoryError(MemoryError):

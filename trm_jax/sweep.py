@@ -125,6 +125,11 @@ def _literal(s: str) -> Any:
     return s
 
 
+def parse_sets(sets: Iterable[str]) -> dict:
+  """`--set KEY=V` flags -> {key: value}, each value a Python literal, else a string."""
+  return {k: _literal(v) for k, _, v in (s.partition("=") for s in sets)}
+
+
 def apply_overrides(c, overrides: Iterable[tuple[str, Any]]):
   """Sets dotted keys on a ConfigDict (in place); unknown keys and wrong types name the key."""
   keys = set(config_lib.all_keys(c))
@@ -607,7 +612,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not a.aggregate:
       if not a.config:
         p.error("--config is required to run a sweep")
-      fixed = [("", {k: _literal(v) for k, _, v in (s.partition("=") for s in a.set)})]
+      fixed = [("", parse_sets(a.set))]
       cells = product(fixed, *[parse_grid_arg(g) for g in a.grid])
       os.makedirs(a.workdir, exist_ok=True)
       # A second sweep on the same workdir would launch the same cells: each cell's own lock
