@@ -39,12 +39,19 @@ def _fingerprint(c: ml_collections.ConfigDict) -> dict:
           "task": c.task.synthetic.to_dict()}
 
 
+def _what(fingerprint: dict) -> dict:
+  """The fingerprint without `warmup.cache_dir`: where a base lives is not what it is, so a
+  built base stays current when its directory is moved, copied or named by another config."""
+  return {**fingerprint, "warmup": {k: v for k, v in fingerprint.get("warmup", {}).items()
+                                    if k != "cache_dir"}}
+
+
 def is_current(path: str, c: ml_collections.ConfigDict) -> bool:
   marker = os.path.join(path, MARKER)
   if not os.path.isfile(marker):
     return False
   with open(marker) as f:
-    return json.load(f) == json.loads(json.dumps(_fingerprint(c)))
+    return _what(json.load(f)) == _what(json.loads(json.dumps(_fingerprint(c))))
 
 
 def sft_loss(model: Decoder, tokens: jax.Array, loss_mask: jax.Array, lengths: jax.Array):
