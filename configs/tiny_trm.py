@@ -105,7 +105,7 @@ def get_config(arg=None):
   c.rollout.keep_topk_logprobs = 0
   c.rollout.slots = 16             # rows decoding at once (continuous batching: a finished
                                    #   row's slot takes the next row); 0 = all rows at once.
-                                   #   16 measured fastest for this config (bench.trainer_slots)
+                                   #   16 measured fastest for this config (bench.trainer_settings)
   c.rollout.chunk = 16             # decode steps between refills and cache-bucket changes
   c.rollout.refill = 0             # load rows once this many slots are free (0 = slots // 8)
   c.rollout.bucket = 128           # granularity, in cache slots, of the lengths a decode step
