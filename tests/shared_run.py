@@ -30,8 +30,11 @@ CONFIG = ROOT / "configs" / "tiny_trm.py"
 # on 2 devices against 39 and 13 on 8. Sharding over more devices and every mesh axis is
 # tested in-process (test_sharding, test_train_sharding, test_staleness) on all 8.
 TRAINER_DEVICES = 2
-TINY_BASE = {"warmup.steps": 80, "warmup.batch_size": 32, "task.synthetic.max_operands": 3,
-             "task.synthetic.max_value": 9}
+# Every warm-up setting a config may change is named, so that a config with other defaults
+# (tiny_trm_long's answer-only fraction, experiments.staleness's) still finds this base current
+# instead of rebuilding it in the shared directory under the other tests.
+TINY_BASE = {"warmup.steps": 80, "warmup.batch_size": 32, "warmup.answer_only_frac": 0.3,
+             "task.synthetic.max_operands": 3, "task.synthetic.max_value": 9}
 
 
 @dataclasses.dataclass(frozen=True)
