@@ -135,6 +135,23 @@ def sweep_table(sweep_stats: dict, exact: dict) -> str:
                                 "of exact's gain", "largest token KL"], rows)
 
 
+def sweep_section(sweep_stats: dict, exact: dict, settings, seeds, args) -> str:
+  """sweep.md: what ran, the table, each mismatch's overrides, and the setting the comparison
+  takes from it (the same rule as `choose_setting`), so the file stands on its own."""
+  setting, reason = choose_setting(sweep_stats, exact)
+  methods = sorted({m for m, _ in sweep_stats})
+  return "\n\n".join([
+      f"The exact sampler and {', '.join(methods)} under each mismatch; seeds "
+      f"{','.join(map(str, seeds))}; {args.steps} RL steps of {args.batch} rollouts, lr "
+      f"{args.lr}; held-out avg@{args.eval_samples} on {args.eval_problems} fixed problems, "
+      f"gain = end minus step 0. A mismatch breaks token-level correction when a method keeps "
+      f"at most {BREAK_FRACTION:.0%} of the exact sampler's gain. Training span "
+      f"{sweep.span_seconds(args.workdir) / 60:.1f} min, {args.parallel} runs at a time.",
+      sweep_table(sweep_stats, exact),
+      "Mismatches: " + "; ".join(f"`{k}` = {MISMATCHES[k]}" for k in settings) + ".",
+      f"The comparison's setting by this rule: **{setting}**, {reason}."])
+
+
 def claims(stats: dict) -> list[str]:
   """The paper's claims on these runs, each with its difference and 2 s.e. (report.compare)."""
   gains = lambda ms: [g for m in ms if m in stats for g in stats[m]["gain"]]
@@ -239,7 +256,7 @@ def main(argv=None) -> int:
     rows = report.run_grid(CONFIG, sweep_cells, args)
     sweep_stats = {k: run_stats(args.workdir, cs) for k, cs in sweep_groups.items()}
     exact = sweep_stats.pop((EXACT, ""))
-    sweep_md = sweep_table(sweep_stats, exact)
+    sweep_md = sweep_section(sweep_stats, exact, settings, sweep_seeds, args)
     os.makedirs(args.out, exist_ok=True)
     report.write_text(os.path.join(args.out, "sweep.md"), sweep_md + "\n")
     print(sweep_md)
