@@ -142,10 +142,11 @@ def sweep_table(sweep_stats: dict, exact: dict) -> str:
                                 "of exact's gain", "largest token KL"], rows)
 
 
-def sweep_section(sweep_stats: dict, exact: dict, settings, seeds, args) -> str:
-  """sweep.md: what ran, the table, each mismatch's overrides, and the setting the comparison
-  takes from it (the same rule as `choose_setting`), so the file stands on its own."""
-  setting, reason = choose_setting(sweep_stats, exact)
+def sweep_section(sweep_stats: dict, exact: dict, chosen: tuple[str, str], settings, seeds,
+                  args) -> str:
+  """sweep.md: what ran, the table, each mismatch's overrides, and `chosen`, the (setting,
+  reason) the comparison takes from it (`choose_setting`), so the file stands on its own."""
+  setting, reason = chosen
   methods = sorted({m for m, _ in sweep_stats})
   return "\n\n".join([
       f"The exact sampler and {', '.join(methods)} under each mismatch; seeds "
@@ -265,7 +266,8 @@ def main(argv=None) -> int:
     rows = report.run_grid(CONFIG, sweep_cells, args)
     sweep_stats = {k: run_stats(args.workdir, cs) for k, cs in sweep_groups.items()}
     exact = sweep_stats.pop((EXACT, ""))
-    sweep_md = sweep_section(sweep_stats, exact, settings, sweep_seeds, args)
+    chosen = choose_setting(sweep_stats, exact)
+    sweep_md = sweep_section(sweep_stats, exact, chosen, settings, sweep_seeds, args)
     os.makedirs(args.out, exist_ok=True)
     report.write_text(os.path.join(args.out, "sweep.md"), sweep_md + "\n")
     print(sweep_md)
@@ -276,7 +278,7 @@ def main(argv=None) -> int:
     reason = "chosen with --setting"
     sweep_md = "(not run: the setting was chosen with --setting)"
   else:
-    setting, reason = choose_setting(sweep_stats, exact)
+    setting, reason = chosen
   by_method = {m: cs for (m, _), cs in groups(methods, [setting],
                                                [int(s) for s in args.seeds.split(",")],
                                                fixed).items()}

@@ -3,6 +3,7 @@ import json
 import shutil
 
 from trm_jax import config as config_lib
+from trm_jax import sweep
 from trm_jax import warmup
 
 
@@ -25,11 +26,7 @@ def test_a_base_is_current_wherever_it_lives_and_only_for_its_settings(tmp_path)
   # Any setting that changes what the base is makes it stale.
   for key, value in (("warmup.steps", c.warmup.steps + 1), ("warmup.answer_only_frac", 0.5),
                      ("task.synthetic.max_operands", 7), ("model.arch.num_layers", 3)):
-    d = config_lib.load_config("configs/tiny_trm.py")
-    d.warmup.cache_dir = str(b)
-    node, leaf = d, key.split(".")
-    for k in leaf[:-1]:
-      node = node[k]
-    node[leaf[-1]] = value
+    d = sweep.apply_overrides(config_lib.load_config("configs/tiny_trm.py"),
+                              [("warmup.cache_dir", str(b)), (key, value)])
     assert not warmup.is_current(str(b), d), key
   assert not warmup.is_current(str(tmp_path / "missing"), c)
