@@ -193,6 +193,21 @@ def test_trm_long_horizon_chooses_the_mildest_breaking_setting():
   assert setting == "noise_1.0" and why.startswith("the exact sampler gained nothing")
 
 
+def test_trm_long_horizon_claims_say_whether_masking_learns():
+  from experiments import trm_long_horizon as lh  # pylint: disable=g-import-not-at-top
+  st = lambda gains, reject=0.0: {"gain": gains, "reject": [reject] * len(gains),
+                                  "abs_gap_last": [0.01] * len(gains)}
+  # TRM rejects everything and gains what the frozen control does; PPO-clip collapses.
+  stats = {"exact": st([0.16, 0.18, 0.15]), "ppo_clip": st([-0.3, -0.25, -0.28]),
+           "trm_max_kl": st([0.01, -0.01, 0.0], reject=0.99), "frozen": st([0.0, 0.01, -0.01])}
+  lines = lh.claims(stats)
+  masked = [l for l in lines if l.startswith("- trm_max_kl vs the frozen control")]
+  assert len(masked) == 1 and "99.0% of sequences rejected" in masked[0]
+  assert "still learns under this mismatch': not resolved at this size" in masked[0]
+  assert any("'TRM does better than token-level corrections'" in l and ": yes (" in l
+             for l in lines)
+
+
 def test_report_helpers():
   recs = [{"trm/reject_rate/len_0_16": 0.5, "trm/reject_rate/len_0_16/count": 2,
            "trm/reject_rate/len_16_32": 0.0, "trm/reject_rate/len_16_32/count": 0},

@@ -216,3 +216,12 @@ def test_grid_construction():
     sweep.product([("x", {}), ("x", {"seed": 1})])
   groups = sweep.group_cells(cells)
   assert sorted(groups) == ["objective=tis", "objective=x"] and all(len(g) == 2 for g in groups.values())
+
+
+def test_span_counts_overlaps_once_and_not_the_pause_between_sessions():
+  # Two runs at a time (0-10, 5-12), then the grid is stopped and resumed an hour later
+  # (3600-3610 inside 3600-3620): 12 + 20 seconds of training, not 3620.
+  spans = [(3600.0, 3620.0), (0.0, 10.0), (5.0, 12.0), (3600.0, 3610.0)]
+  assert sweep.union_length(spans) == 32.0
+  assert sweep.union_length([]) == 0.0
+  assert sweep.union_length([(1.0, 2.0), (2.0, 3.0)]) == 2.0

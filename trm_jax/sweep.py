@@ -39,6 +39,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -456,20 +457,32 @@ def _run_cell(d: str, parent_pid: Optional[int]) -> int:
 # --- Aggregation -------------------------------------------------------------------------------
 
 def span_seconds(workdir: str) -> float:
-  """Training span of the finished cells: first logged step to last step's end, from the
-  steps' own wall-clock stamps, so a later re-aggregation or re-evaluation does not count.
-  Excludes process start-up and the one-off base-model warm-up; held-out evaluations inside
-  the run (`eval_every`, the last step's) are counted."""
+  """Training span of the finished cells: the time during which at least one of them was
+  training (the union of their first-logged-step-to-last-step intervals), from the steps' own
+  wall-clock stamps, so a later re-aggregation or re-evaluation does not count, nor does the
+  pause of a grid stopped in one session and resumed in the next. Excludes process start-up
+  and the one-off base-model warm-up; held-out evaluations inside the run (`eval_every`, the
+  last step's) are counted."""
   _, cells = load_plan(workdir)
-  starts, ends = [], []
+  spans = []
   for c in cells:
     if not is_done(workdir, c):
       continue
     records = read_metrics(os.path.join(cell_dir(workdir, c), "metrics.jsonl"))
     if records and "wall_time" in records[0]:
-      starts.append(records[0]["wall_time"] - (records[0].get("time/step_s") or 0.0))
-      ends.append(records[-1]["wall_time"])
-  return max(ends) - min(starts) if ends else 0.0
+      spans.append((records[0]["wall_time"] - (records[0].get("time/step_s") or 0.0),
+                    records[-1]["wall_time"]))
+  return union_length(spans)
+
+
+def union_length(spans) -> float:
+  """Total length covered by [start, end] intervals (overlaps counted once)."""
+  total, reach = 0.0, -math.inf
+  for start, end in sorted(spans):
+    if end > reach:
+      total += end - max(start, reach)
+      reach = end
+  return total
 
 
 def cell_row(workdir: str, cell: Cell) -> dict:
