@@ -244,15 +244,22 @@ def test_every_trainer_program_of_the_tiny_configs_lowers_for_v5e_2x4(config, ov
   kernel partitions itself under the programs' meshes (it refuses to lower otherwise)."""
   from trm_jax import config as config_lib, sweep  # pylint: disable=g-import-not-at-top
   from trm_jax.aot import compiler as aot, tpu as tpu_aot  # pylint: disable=g-import-not-at-top
+  from trm_jax.rollout import policies  # pylint: disable=g-import-not-at-top
   c = config_lib.load_config(os.path.join(ROOT, "configs", config))
   c = sweep.apply_overrides(c, {"rl.batch_size": 16, "rl.group_size": 4, "eval_problems": 8,
                                 "warmup.cache_dir": "/nonexistent", **overrides}.items())
   hf, _ = aot.resolve_model(c)
   s = aot.build(c, hf, tpu_aot.topology_devices("v5e:2x4"))
   assert s.impl == "pallas_tpu"
+  policy = c.rollout.cache.policy
+  observes = policy != "none" and policies.get_policy(policy).keeps_score   # H2O reads probs
   for program in s.programs:
     text = program.lower().as_text()   # the learner's attention and the sampler's prefill
     assert "tpu_custom_call" in text and "sdy.manual_computation" in text, program.name
+    # The sampler decodes through the per-row-extent kernel (dense evaluation caches always).
+    if program.name in ("rollout", "eval_greedy", "eval_sampled"):
+      dense = program.name != "rollout" or policy == "none"
+      assert ("decode_attention_tpu" in text) == (dense or not observes), program.name
   if overrides:
     assert s.sync["sampler_devices"] == 2 and s.programs["rollout"].mesh.size == 2
 

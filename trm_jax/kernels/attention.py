@@ -13,6 +13,11 @@
 
 `block_sizes` is a `BlockSizes` for the Triton impls and a `TPUBlockSizes` for the TPU ones.
 
+Cached decoding (one query per row over a KV cache) takes the same `impl`: `decode_kernel`
+gives the TPU impls' decode kernel (`decode_attention_tpu.py`, each row reads its filled slots
+only); every other impl decodes with `models.kv_cache.attend`'s XLA einsums (there is no
+Triton decode kernel yet).
+
 Under a mesh of more than one device (`jax.set_mesh`, as the trainer and `trm_jax.aot` run
 every program) both Pallas kernels run per device through `shard_map` over rows and kv heads
 (`kernels.partition`): XLA cannot partition a Pallas call itself. The reference is plain jnp
@@ -20,14 +25,15 @@ and is partitioned by XLA.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import jax
 
 from trm_jax.kernels.attention_ref import attention_reference
+from trm_jax.kernels.decode_attention_tpu import decode_attention_tpu, filled_extent
 from trm_jax.kernels.flash_attention import BlockSizes, flash_attention
 from trm_jax.kernels.flash_attention_tpu import TPUBlockSizes, flash_attention_tpu
-from trm_jax.kernels.partition import partitioned
+from trm_jax.kernels.partition import partitioned, partitioned_decode
 from trm_jax.kernels.visibility import LayerVisibility
 
 IMPLS = ("auto", "reference", "pallas", "pallas_interpret", "pallas_tpu",
@@ -64,3 +70,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
   kernel = flash_attention_tpu if tpu else flash_attention
   return partitioned(kernel, q, k, v, vis, scale=scale, block_sizes=block_sizes or want(),
                      interpret=impl.endswith("_interpret"))
+
+
+def decode_kernel(impl: str) -> Optional[Callable[..., jax.Array]]:
+  """The decode kernel of `impl` ("auto" resolved for the default backend): `f(q [B, N, H],
+  k [B, K, H, C], v [B, K, C, H], pos [B, K, C], scale=None) -> o [B, N, H]`, run per device
+  under a mesh; None where `impl` has none (decode with the XLA einsums)."""
+  impl = resolve_impl(impl)
+  if not impl.startswith("pallas_tpu"):
+    return None
+  interpret = impl.endswith("_interpret")
+
+  def run(q, k, v, pos, *, scale=None):
+    return partitioned_decode(decode_attention_tpu, q, k, v, pos, filled_extent(pos),
+                              scale=scale, interpret=interpret)
+  return run

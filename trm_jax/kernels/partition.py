@@ -23,7 +23,8 @@ call (and the output comes back replicated over that axis, to be resharded by th
 constraints). The backward pass is each kernel's own `custom_vjp`, differentiated inside the
 shard_map. Without an active mesh (`jax.set_mesh`), or on one device, the kernel is called
 directly. `kernels.attention` routes both kernels through `partitioned` always, so the
-trainer, `trm_jax.aot` and a notebook compile the same program.
+trainer, `trm_jax.aot` and a notebook compile the same program; the TPU decode kernel goes
+through `partitioned_decode` the same way (cache [B, K, ., .]: rows and kv heads).
 """
 from __future__ import annotations
 
@@ -66,3 +67,21 @@ def partitioned(kernel: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
   # check_vma=False: the kernels' pallas_calls carry no varying-axes annotations.
   return jax.shard_map(local, mesh=mesh, in_specs=(qkv_spec,) * 3 + tuple(side_specs),
                        out_specs=qkv_spec, check_vma=False)(q, k, v, *side)
+
+
+def partitioned_decode(kernel: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
+                       pos: jax.Array, extent: jax.Array, **kwargs) -> jax.Array:
+  """`kernel(q, k, v, pos, extent, **kwargs)` (`decode_attention_tpu`: q [B, N, H], the
+  cache's k [B, K, H, C], v [B, K, C, H], pos [B, K, C], extent [B]) per device on the mesh,
+  split by rows and kv heads like `partitioned`; the slot axis is never split."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return kernel(q, k, v, pos, extent, **kwargs)
+  qkv_spec, _, _ = kernel_specs(mesh, q.shape[0], k.shape[1])
+  batch, heads = qkv_spec[0], qkv_spec[2]
+  cache_spec = PartitionSpec(batch, heads, None, None)
+  return jax.shard_map(
+      lambda *a: kernel(*a, **kwargs), mesh=mesh,
+      in_specs=(PartitionSpec(batch, heads, None), cache_spec, cache_spec,
+                PartitionSpec(batch, heads, None), PartitionSpec(batch)),
+      out_specs=PartitionSpec(batch, heads, None), check_vma=False)(q, k, v, pos, extent)

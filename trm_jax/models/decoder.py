@@ -166,16 +166,17 @@ class Decoder(nnx.Module):
     return (*out, routes) if with_routing else out
 
   def decode_step(self, tokens: jax.Array, caches: Sequence[KVCache], policy: CachePolicy, *,
-                  positions: jax.Array, index: jax.Array,
+                  positions: jax.Array, index: jax.Array, attn_impl: str = "auto",
                   router_noise_key: Optional[jax.Array] = None,
                   router_noise_scale: float = 0.0, router_noise_ids: Optional[jax.Array] = None,
                   with_routing: bool = False):
     """tokens [B, 1] at array index `index` ([] or [B] int32: one per row), RoPE positions
-    [B, 1] -> (final-normed hidden state [B, D], updated caches[, Routing of this token])."""
+    [B, 1] -> (final-normed hidden state [B, D], updated caches[, Routing of this token]).
+    attn_impl: its decode kernel, if it has one, attends over the caches (`kv_cache.attend`)."""
     if len(caches) != self.config.num_layers:
       raise ValueError(f"decode_step got {len(caches)} caches, model has "
                        f"{self.config.num_layers} layers")
-    x, caches, routes = self._blocks(tokens, positions, None,
+    x, caches, routes = self._blocks(tokens, positions, None, attn_impl=attn_impl,
                                      router_noise_key=router_noise_key,
                                      router_noise_scale=router_noise_scale, policy=policy,
                                      caches=caches, index=index,

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from trm_jax.kernels.attention import decode_kernel
 from trm_jax.kernels.attention_ref import guarded_softmax
 
 
@@ -48,6 +49,10 @@ class CachePolicy(Protocol):
   `layer` is the asking layer's index; `index` the array index of the token being decoded:
   [] int32 (the same for every row) or [B] int32 (one per row: the rollout engine's slots
   decode rows that started at different times). All methods are pure: they return new values.
+
+  A policy may set `observes_attention = False` to say `observe` never reads the
+  probabilities; the layer then attends with the impl's decode kernel where there is one
+  (`kv_cache.attend`). Without the attribute the layer assumes it reads them.
   """
 
   def prefill(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array):
@@ -66,8 +71,10 @@ class CachePolicy(Protocol):
     """
     ...
 
-  def observe(self, layer: int, cache: KVCache, probs: jax.Array) -> KVCache:
-    """After the decode query attended: probs [B, K, G, C] fp32 (0 on empty slots)."""
+  def observe(self, layer: int, cache: KVCache, probs: Optional[jax.Array]) -> KVCache:
+    """After the decode query attended: probs [B, K, G, C] fp32 (0 on empty slots), or None
+    when the policy said it does not read them (`observes_attention` False: the attention
+    then may run as a kernel that never forms them)."""
     ...
 
 
@@ -193,14 +200,24 @@ def write(cache: KVCache, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
                           for k, buf in _per_slot(cache).items()})
 
 
-def attend(q: jax.Array, cache: KVCache, *, scale: Optional[float] = None):
+def attend(q: jax.Array, cache: KVCache, *, scale: Optional[float] = None,
+           impl: str = "reference", probs: bool = True):
   """One decode query per row over the cache's filled slots.
 
   Args:
     q: [B, N, H] query (RoPE applied).
+    impl: a `kernels.attention` impl. One with a decode kernel (the TPU impls: each row reads
+      only its filled slots) is used when `probs` is False; otherwise the XLA einsums below
+      read every slot of the (bucketed) cache.
+    probs: whether the caller needs the attention probabilities (a policy that observes
+      them, H2O); the kernel does not form them.
   Returns:
-    o [B, N, H] in q.dtype, and probs [B, K, G, C] fp32 (0 on empty slots).
+    o [B, N, H] in q.dtype, and probs [B, K, G, C] fp32 (0 on empty slots), or None when
+    the kernel ran.
   """
+  kernel = None if probs else decode_kernel(impl)
+  if kernel is not None:
+    return kernel(q, cache.k, cache.v, cache.pos, scale=scale), None
   B, N, H = q.shape
   K = cache.k.shape[1]
   G = N // K

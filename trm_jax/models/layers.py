@@ -205,7 +205,8 @@ class Attention(nnx.Module):
         `policy.prefill` from this layer's q/k/v.
       policy and cache (decode, T = 1): the key of array index `index` ([] or [B] int32) is
         written where `policy.free_slot` says, the query attends over the cache's slots
-        (empty ones masked), and `policy.observe` sees the attention probabilities. `vis` is
+        (empty ones masked; `impl`'s decode kernel when the policy does not observe the
+        probabilities), and `policy.observe` sees the attention probabilities. `vis` is
         ignored.
     """
     if policy is None:
@@ -224,7 +225,8 @@ class Attention(nnx.Module):
       cache, slot = policy.free_slot(self.layer_idx, cache, index)
       cache = kv_cache.write(cache, slot, k[:, 0], v[:, 0], index)
     with jax.named_scope("attend"):
-      o, probs = kv_cache.attend(q[:, 0], cache)                    # probs [B, K, G, C]
+      o, probs = kv_cache.attend(q[:, 0], cache, impl=impl,        # probs [B, K, G, C]
+                                 probs=getattr(policy, "observes_attention", True))
     return self.out(o[:, None], inference=True), policy.observe(self.layer_idx, cache, probs)
 
 

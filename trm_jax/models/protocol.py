@@ -53,10 +53,10 @@ class CausalLM(Protocol):
     ...
 
   def decode_step(self, tokens: jax.Array, caches: Sequence[KVCache], policy: CachePolicy, *,
-                  positions: jax.Array, index: jax.Array,
+                  positions: jax.Array, index: jax.Array, attn_impl: str = "auto",
                   router_noise_key: Optional[jax.Array] = None,
                   router_noise_scale: float = 0.0, router_noise_ids: Optional[jax.Array] = None,
                   with_routing: bool = False):
     """tokens [B, 1] at array index `index` ([] or [B]) -> (hidden state [B, D], caches
-    [, routing])."""
+    [, routing]); `attn_impl` as `kernels.attention` (its decode kernel, if any)."""
     ...

@@ -196,12 +196,19 @@ class CacheEviction:
     slot = jnp.where(self.active, slot, self.total_slots)
     return cache, jnp.broadcast_to(slot[:, None], cache.pos.shape[:2])
 
-  def observe(self, layer: int, cache: KVCache, probs: jax.Array) -> KVCache:
+  @property
+  def observes_attention(self) -> bool:
+    """Whether `observe` reads the attention probabilities: only a policy that keeps a score
+    (H2O); the others let the layer attend with a kernel that never forms them."""
+    policy = self.cfg.eviction_policy
+    return policy is not None and policy.keeps_score
+
+  def observe(self, layer: int, cache: KVCache, probs: Optional[jax.Array]) -> KVCache:
     """The policy's update of the per-slot score (H2O: accumulated attention mass); slots
     that are not decoding observe nothing."""
-    policy = self.cfg.eviction_policy
-    if policy is None:
+    if not self.observes_attention:
       return cache
+    policy = self.cfg.eviction_policy
     return policy.observe(cache, jnp.where(self.active[:, None, None, None], probs, 0.0))
 
   def filled_bound(self, index: jax.Array) -> jax.Array:

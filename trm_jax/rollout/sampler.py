@@ -175,7 +175,8 @@ def generate(model, prompt_ids, prompt_lengths, *, max_new_tokens: int, key: jax
     record_routing: also return `Rollout.routed_experts` [B, L_moe, T, k], the experts each
       MoE layer ran for every prompt and sampled token (with jitter, the jittered choice),
       for routing replay in the learner (`model(tokens, routing=...)`).
-    attn_impl: prefill attention implementation (`kernels.attention`).
+    attn_impl: attention implementation (`kernels.attention`) of the prefill, and of each
+      decode step where the impl has a decode kernel (TPU: each row reads its filled slots).
     slots, group_size, chunk, refill, bucket, tail: continuous batching and shared prompts
       (`BatchingConfig`, whose defaults these are):
       S = slots rows decode at once (0 = all), rows [g*G, (g+1)*G) share one prompt,
@@ -339,6 +340,8 @@ class _Call:
   s_sample: jax.Array              # [2] uint32 seeds of the sampling and logit-noise streams
   s_noise: jax.Array
   k_router: jax.Array              # the router-noise key (MoE layers hash it with token ids)
+  attn_impl: str                   # `kernels.attention` impl: the prefill's, and the decode
+                                   #   kernel's where it has one
 
   @property
   def shape(self) -> Tuple[int, int, int]:
@@ -366,7 +369,7 @@ class _Call:
 
 
 def _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg: SamplingConfig,
-          ccfg: CacheConfig, bcfg: BatchingConfig) -> _Call:
+          ccfg: CacheConfig, bcfg: BatchingConfig, attn_impl: str) -> _Call:
   model: CausalLM = nnx.merge(graphdef, state)
   B, P = prompt_ids.shape
   R = scfg.max_new_tokens
@@ -380,10 +383,11 @@ def _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg: SamplingConfig
                                   total_slots=kv.num_slots(ccfg, P, R), rand_key=k_evict)
   return _Call(model=model, scfg=scfg, bcfg=bcfg, policy=policy, S=S, refill=refill,
                start=start, valid=valid, keep=keep, budget=budget,
-               s_sample=rng.seed(k_sample), s_noise=rng.seed(k_noise), k_router=k_router)
+               s_sample=rng.seed(k_sample), s_noise=rng.seed(k_noise), k_router=k_router,
+               attn_impl=attn_impl)
 
 
-def _prefill(g: _Call, prompt_ids, attn_impl: str) -> DecodeState:
+def _prefill(g: _Call, prompt_ids) -> DecodeState:
   """The blocks over each group's prompt once (U = B / G prompts), the empty slots, and the
   first S rows loaded into them: the decode loop's initial state."""
   model, scfg = g.model, g.scfg
@@ -396,7 +400,7 @@ def _prefill(g: _Call, prompt_ids, attn_impl: str) -> DecodeState:
   h, records, routing = model.prefill(
       prompt_ids[::G], eviction.PromptRecorder(g.policy.cfg, valid_u),
       positions=jnp.maximum(idx[None, :] - start_u[:, None], 0),
-      visibility=Visibility(segment_ids=valid_u.astype(jnp.int32)), attn_impl=attn_impl,
+      visibility=Visibility(segment_ids=valid_u.astype(jnp.int32)), attn_impl=g.attn_impl,
       with_routing=True, **g.router_noise(rows_u[:, None] * T + idx[None, :]))
   routed_prompt = routed = None
   if scfg.record_routing:
@@ -505,7 +509,7 @@ def _run_chunk(g: _Call, n: int, s: DecodeState) -> DecodeState:
     pol = policy.with_slots(rows=r, start=s.start, budget=s.budget, active=s.active)
     h, caches, routing = model.decode_step(
         s.tok[:, None], s.caches, pol, positions=(i - s.start)[:, None], index=i,
-        with_routing=True, **g.router_noise((r * T + i)[:, None]))
+        attn_impl=g.attn_impl, with_routing=True, **g.router_noise((r * T + i)[:, None]))
     rows = jnp.where(s.active, s.row, B)                               # B: dropped
     out = s.out
     if scfg.record_routing:   # the experts token i ran through, in every MoE layer
@@ -603,8 +607,8 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, key, *,
                   scfg: SamplingConfig, ccfg: CacheConfig, bcfg: BatchingConfig,
                   attn_impl: str) -> Rollout:
   """The whole sampler as one program: prefill, then the decode loop."""
-  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg, bcfg)
-  return _decode(g, _prefill(g, prompt_ids, attn_impl), prompt_lengths)
+  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg, bcfg, attn_impl)
+  return _decode(g, _prefill(g, prompt_ids), prompt_lengths)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -612,8 +616,8 @@ def _prefill_jit(graphdef, state, prompt_ids, prompt_lengths, key, *,
                  scfg: SamplingConfig, ccfg: CacheConfig, bcfg: BatchingConfig,
                  attn_impl: str) -> DecodeState:
   """The prefill alone (`run_phase("prefill")`)."""
-  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg, bcfg)
-  return _prefill(g, prompt_ids, attn_impl)
+  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg, bcfg, attn_impl)
+  return _prefill(g, prompt_ids)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -621,8 +625,7 @@ def _decode_jit(graphdef, state, prompt_ids, prompt_lengths, key, carry: DecodeS
                 scfg: SamplingConfig, ccfg: CacheConfig, bcfg: BatchingConfig,
                 attn_impl: str) -> Rollout:
   """The decode loop alone, from the prefill's state (`run_phase("decode")`)."""
-  del attn_impl   # the decode loop attends through the cache
-  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg, bcfg)
+  g = _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg, ccfg, bcfg, attn_impl)
   return _decode(g, carry, prompt_lengths)
 
 
