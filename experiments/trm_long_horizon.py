@@ -293,7 +293,11 @@ def main(argv=None) -> int:
   by_method = {m: cs for (m, _), cs in groups(methods, [setting],
                                                [int(s) for s in args.seeds.split(",")],
                                                fixed).items()}
-  rows += report.run_grid(CONFIG, [c for cs in by_method.values() for c in cs], args)
+  # Seed-major: a grid stopped early (the comparison is hours here) holds every method at the
+  # same number of seeds, so what it has can already be compared.
+  order = [cs[i] for i in range(max(map(len, by_method.values()))) for cs in by_method.values()
+           if i < len(cs)]
+  rows += report.run_grid(CONFIG, order, args)
   sweep.plot_grouped(args.workdir, curve_keys, os.path.join(args.out, "curves.png"),
                      groups=by_method)
   stats = {m: run_stats(args.workdir, cs) for m, cs in by_method.items()}
