@@ -58,13 +58,18 @@ MISMATCHES = {
 EXACT = "exact"              # the config's exact sampler; on-policy, so PPO-clip is plain PG
 CONTROL = trm_mismatch.CONTROL
 # The objectives and criteria of the comparison (trm_mismatch's definitions, one place).
+TRM = ("trm_max_kl", "combined", "ln_trm")
+# A TRM run that rejects every sequence is an outcome this experiment measures (the trust
+# region refusing a batch the sampler could not have produced), not a broken run: the
+# trainer's stall guard (`rl.max_consecutive_skips`, which stops a run whose updates are all
+# skipped) is off for the sequence-masking methods, so such a run goes on, trains on nothing,
+# and reports its rejection rate to the end.
 METHODS = {EXACT: trm_mismatch.METHODS["ppo_clip"],
-           **{m: trm_mismatch.METHODS[m] for m in ("ppo_clip", "tis", "token_mask",
-                                                   "trm_max_kl", "combined", "ln_trm",
-                                                   CONTROL)}}
+           **{m: trm_mismatch.METHODS[m] for m in ("ppo_clip", "tis", "token_mask")},
+           **{m: {**trm_mismatch.METHODS[m], "rl.max_consecutive_skips": 0} for m in TRM},
+           CONTROL: trm_mismatch.METHODS[CONTROL]}
 SWEEP_METHODS = ("ppo_clip", "tis")
 TOKEN_LEVEL = trm_mismatch.TOKEN_LEVEL
-TRM = ("trm_max_kl", "combined", "ln_trm")
 BREAK_FRACTION = 0.5
 CURVE_KEYS = ("trm/ppl_gap", "trm/delta_hat", "trm/reject_rate",
               "bound/unified")
