@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from model_fixtures import make_test_model
+from model_fixtures import assert_learner_replays, make_test_model
 from trm_jax.aot.tpu import compile_for_tpu, libtpu_available, topology_devices
 from trm_jax.kernels.attention import decode_kernel
 from trm_jax.kernels.decode_attention_tpu import decode_attention_tpu, filled_extent
-from trm_jax.kernels.visibility import Visibility
 from trm_jax.models import kv_cache
-from trm_jax.rollout import BatchingConfig, CacheConfig, token_logprobs
+from trm_jax.rollout import CacheConfig
 from trm_jax.rollout import sampler as sampler_lib
 
 
@@ -111,13 +110,7 @@ def test_the_sampler_decodes_through_it_with_the_same_rows(dense, policy):
   np.testing.assert_array_equal(got.tokens, ref.tokens)
   np.testing.assert_array_equal(got.evicted_at, ref.evicted_at)
   np.testing.assert_allclose(got.logp, ref.logp, atol=1e-5, rtol=0)
-  # SMD's exact replay: the learner, under the recorded visibility, scores what was sampled.
-  scfg = sampler_lib.sampling_config(dense.config, max_new_tokens=R, eos_ids=EOS)
-  logits = dense(got.tokens, visibility=Visibility(segment_ids=got.segment_ids,
-                                                   evicted_at=got.evicted_at))
-  lp = token_logprobs(logits[:, :-1], got.tokens[:, 1:], scfg)
-  m = np.asarray(got.response_mask[:, 1:]) > 0
-  np.testing.assert_allclose(np.asarray(lp)[m], np.asarray(got.logp[:, 1:])[m], atol=1e-5)
+  assert_learner_replays(dense, got, max_new_tokens=R, eos_ids=EOS, atol=1e-5)
 
 
 @pytest.mark.skipif(not libtpu_available(),

@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model_fixtures import make_test_model
-from trm_jax.kernels.visibility import Visibility
-from trm_jax.rollout import BatchingConfig, CacheConfig, token_logprobs
+from model_fixtures import assert_learner_replays, make_test_model
+from trm_jax.rollout import BatchingConfig, CacheConfig
 from trm_jax.rollout import sampler as sampler_lib
 
 P, R, G, B = 10, 22, 2, 12
@@ -134,12 +133,7 @@ def test_the_learner_replays_slotted_rollouts_exactly(dense):
   """SMD's exact replay for rows that were decoded in refilled slots: the learner's
   log-probs under the recorded visibility equal the sampler's."""
   ro = _generate(dense, POLICIES["h2o"], SLOTTED)
-  scfg = sampler_lib.sampling_config(dense.config, max_new_tokens=R, eos_ids=EOS)
-  logits = dense(ro.tokens, visibility=Visibility(segment_ids=ro.segment_ids,
-                                                  evicted_at=ro.evicted_at))
-  lp = token_logprobs(logits[:, :-1], ro.tokens[:, 1:], scfg)
-  m = np.asarray(ro.response_mask[:, 1:]) > 0
-  np.testing.assert_allclose(np.asarray(lp)[m], np.asarray(ro.logp[:, 1:])[m], atol=2e-5)
+  assert_learner_replays(dense, ro, max_new_tokens=R, eos_ids=EOS, atol=2e-5)
 
 
 def test_bad_groups_and_batching_are_named(dense):
