@@ -182,13 +182,14 @@ def fixed_overrides(args, **extra) -> dict:
   return fixed
 
 
-def run_grid(config: str, cells, args) -> list[dict]:
-  """Runs (or resumes) the cells, then writes OUT/results.csv; returns the rows."""
+def run_grid(config: str, cells, args, csv: str = "results.csv") -> list[dict]:
+  """Runs (or resumes) the cells, then writes OUT/`csv` (every run in the workdir); returns the
+  rows."""
   from trm_jax import sweep  # pylint: disable=g-import-not-at-top
   rows = sweep.run_sweep(config, cells, args.workdir, parallel=args.parallel,
                          threads_per_cell=1 if args.parallel > 1 else None)
   os.makedirs(args.out, exist_ok=True)
-  sweep.aggregate(args.workdir, os.path.join(args.out, "results.csv"))
+  sweep.aggregate(args.workdir, os.path.join(args.out, csv))
   return rows
 
 

@@ -24,7 +24,8 @@ minus at step 0.
 
 Writes into --out: sweep.md, summary.md (tables and each claim of the paper with its
 difference and 2 s.e.), summary.json, curves.png (held-out accuracy, PPL gap, largest token
-KL, rejection rate and the empirical B* over steps) and results.csv. The runs live in
+KL, rejection rate and the empirical B* over steps), sweep.csv (the sweep's runs) and results.csv
+(every run in --workdir). The runs live in
 --workdir: rerunning the command skips finished runs, so the grid can be stopped and resumed.
 """
 from __future__ import annotations
@@ -279,7 +280,8 @@ def main(argv=None) -> int:
   sweep_cells = [c for cs in sweep_groups.values() for c in cs]
   rows = []
   if args.phase == "sweep" or not args.setting:   # the comparison's setting comes from it
-    rows = report.run_grid(CONFIG, sweep_cells, args)
+    # sweep.csv: the runs as the sweep left them (results.csv is rewritten by the comparison).
+    rows = report.run_grid(CONFIG, sweep_cells, args, csv="sweep.csv")
     sweep_stats = {k: run_stats(args.workdir, cs) for k, cs in sweep_groups.items()}
     exact = sweep_stats.pop((EXACT, ""))
     chosen = choose_setting(sweep_stats, exact)
@@ -293,6 +295,13 @@ def main(argv=None) -> int:
     setting = report.choices(p, args.setting, MISMATCHES, "mismatch")[0]
     reason = "chosen with --setting"
     sweep_md = "(not run: the setting was chosen with --setting)"
+    # A sweep run earlier (`--phase sweep`) left its table in --out: quote it, so a comparison
+    # run in its own phase still says what the sweep found.
+    earlier = os.path.join(args.out, "sweep.md")
+    if os.path.exists(earlier):
+      reason += "; the sweep below was run earlier with --phase sweep"
+      with open(earlier) as f:
+        sweep_md = f.read().strip()
   else:
     setting, reason = chosen
   by_method = {m: cs for (m, _), cs in groups(methods, [setting],

@@ -172,6 +172,18 @@ def test_trm_long_horizon_end_to_end(tmp_path, shared_run):
   assert summary in out and "## The sweep" in summary and "## The paper's claims" in summary
   assert (tmp_path / "out" / "sweep.md").read_text().strip() in summary
   assert os.path.getsize(tmp_path / "out" / "curves.png") > 0
+  with open(tmp_path / "out" / "sweep.csv") as f:   # the sweep's runs, as the sweep left them
+    assert {r["cell"] for r in csv.DictReader(f)} == {
+        "method=exact,seed=0", "setting=noise_1.0,method=ppo_clip,seed=0"}
+  # The comparison in a phase of its own (nothing left to run): it quotes the earlier sweep
+  # and says the setting was chosen by hand.
+  _run("trm_long_horizon", tmp_path, shared_run, "--phase", "compare", "--setting", "noise_1.0",
+       "--methods", "exact,ppo_clip,frozen",
+       *[a for s in LONG_ON_SHARED_BASE for a in ("--set", s)], shared_base=True)
+  again = (tmp_path / "out" / "summary.md").read_text()
+  assert (tmp_path / "out" / "sweep.md").read_text().strip() in again
+  assert "chosen with --setting; the sweep below was run earlier" in again
+  assert json.loads((tmp_path / "out" / "summary.json").read_text())["methods"] == got["methods"]
 
 
 def test_trm_long_horizon_chooses_the_mildest_breaking_setting():
