@@ -28,6 +28,11 @@ limit keeps everything finished before it; items past --budget_s are listed unde
             AdamW) at a 0.5B-parameter Qwen3-like shape: FLOPs of the compiled step
             (`trm_jax.aot.hlo_cost.program_cost`, loops and the Triton attention kernels counted)
             over its median time, and MFU against the H200's dense bf16 peak.
+  decode    the Triton decode kernel (`decode_attention`, what "auto" decodes with on a GPU)
+            against `kv_cache.attend`'s einsums on a cache whose rows are filled to ragged
+            depths (geometric, mean ~1/8 of the capacity, one row full, holes): max abs error
+            per dtype, then both timed at a Qwen3-8B decode shape (64 rows, 8 kv heads x 4,
+            H 128, 8192 slots, bf16), ragged and all rows full (median of 20 after 3 warm-ups).
   sampler   `trm_jax.rollout.generate` new tokens/s, bf16, 256 rows x 512 new tokens after
             128-token prompts, no EOS: end to end (B N / t(N)) and decode (B (N-1) / (t(N) -
             t(1))).
@@ -410,6 +415,55 @@ def sampler_rate(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# (e) the decode kernel against the cache's einsums
+# ---------------------------------------------------------------------------------------------
+
+
+def ragged_cache(B, K, G, H, C, dtype, full: bool, seed=0):
+  """q [B, K G, H] and a KVCache whose row b is filled to a geometric depth (mean C / 8, row 0
+  full, a hole of evicted slots in row 1), or every row full."""
+  from trm_jax.models import kv_cache
+  rng = np.random.default_rng(seed)
+  ext = np.full(B, C) if full else np.minimum(rng.geometric(8 / C, B), C)
+  ext[0] = C
+  pos = np.where(np.arange(C)[None, None, :] < ext[:, None, None],
+                 np.arange(C)[None, None, :], -1).repeat(K, 1).astype(np.int32)
+  pos[1 % B, 0, : C // 16] = -1
+  mk = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), dtype)
+  cache = kv_cache.KVCache(k=mk(B, K, H, C), v=mk(B, K, C, H), pos=jnp.asarray(pos))
+  return mk(B, K * G, H), cache, ext
+
+
+def decode_check(args, dtype: str) -> dict:
+  from trm_jax.kernels.attention import decode_kernel
+  from trm_jax.models import kv_cache
+  B, K, G, H, C = (4, 2, 2, 32, 256) if args.tiny else (16, 8, 4, 128, 4096)
+  q, cache, ext = ragged_cache(B, K, G, H, C, jnp.dtype(dtype), full=False)
+  kernel = decode_kernel("pallas_interpret" if args.interpret else "pallas")
+  got = jax.jit(kernel)(q, cache.k, cache.v, cache.pos)
+  ref, _ = jax.jit(kv_cache.attend)(q, cache)
+  err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))))
+  tol = TOLERANCE[dtype][0]
+  return {"shape": [B, K, G, H, C], "extents": ext.tolist(), "max_abs_err": err,
+          "tolerance": tol, "passed": err <= tol}
+
+
+def decode_timing(args, full: bool) -> dict:
+  from trm_jax.kernels.attention import decode_kernel
+  from trm_jax.models import kv_cache
+  B, K, G, H, C = (4, 2, 2, 32, 256) if args.tiny else (64, 8, 4, 128, 8192)
+  q, cache, ext = ragged_cache(B, K, G, H, C, jnp.bfloat16, full=full)
+  kernel = decode_kernel("pallas_interpret" if args.interpret else "pallas")
+  out = {"shape": [B, K, G, H, C], "dtype": "bfloat16", "mean_extent": float(ext.mean())}
+  for name, fn in (("kernel", lambda q, c: kernel(q, c.k, c.v, c.pos)),
+                   ("einsum", lambda q, c: kv_cache.attend(q, c, probs=False)[0])):
+    _, out[name] = compile_and_time(fn, (q, cache), 1 if args.tiny else 3,
+                                    3 if args.tiny else 20)
+  out["einsum_over_kernel"] = round(out["einsum"]["median_ms"] / out["kernel"]["median_ms"], 3)
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -421,7 +475,7 @@ def main(argv=None) -> int:
                  help="tiny shapes and short runs (with --allow_cpu: the CPU smoke test)")
   p.add_argument("--config_dir", default=default_config_dir(),
                  help="directory of tiny_trm.py and tiny_smd.py (default: %(default)s)")
-  p.add_argument("--sections", default="kernel,train,learner,sampler,kernel_timing",
+  p.add_argument("--sections", default="kernel,decode,train,learner,sampler,kernel_timing",
                  help="comma-separated, run in this order (default: %(default)s)")
   p.add_argument("--train_steps", type=int, default=None, help="default 20 (tiny: 2)")
   p.add_argument("--repeats", type=int, default=None, help="timed calls (default 5, tiny 2)")
@@ -499,6 +553,12 @@ def main(argv=None) -> int:
           item("kernel", f"policy_{policy}_{dtype}",
                lambda policy=policy, vis=vis, dtype=dtype: policy_check(
                    policy, vis, dtype, args.tiny, args.interpret))
+    elif section == "decode":
+      for dtype in ("float32", "bfloat16"):
+        item("decode", f"check_{dtype}", lambda dtype=dtype: decode_check(args, dtype))
+      for full in (False, True):
+        item("decode", "timing_full" if full else "timing_ragged",
+             lambda full=full: decode_timing(args, full))
     elif section == "kernel_timing":
       for cfg in TINY_TIMINGS if args.tiny else FULL_TIMINGS:
         item("kernel_timing", cfg[0],

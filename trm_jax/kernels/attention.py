@@ -14,9 +14,9 @@
 `block_sizes` is a `BlockSizes` for the Triton impls and a `TPUBlockSizes` for the TPU ones.
 
 Cached decoding (one query per row over a KV cache) takes the same `impl`: `decode_kernel`
-gives the TPU impls' decode kernel (`decode_attention_tpu.py`, each row reads its filled slots
-only); every other impl decodes with `models.kv_cache.attend`'s XLA einsums (there is no
-Triton decode kernel yet).
+gives the Pallas impls' decode kernel, in which each row reads its filled slots only
+(`decode_attention.py`, Triton, for "pallas*"; `decode_attention_tpu.py`, Mosaic, for
+"pallas_tpu*"); "reference" decodes with `models.kv_cache.attend`'s XLA einsums.
 
 Under a mesh of more than one device (`jax.set_mesh`, as the trainer and `trm_jax.aot` run
 every program) both Pallas kernels run per device through `shard_map` over rows and kv heads
@@ -30,6 +30,7 @@ from typing import Callable, Optional, Union
 import jax
 
 from trm_jax.kernels.attention_ref import attention_reference
+from trm_jax.kernels.decode_attention import decode_attention
 from trm_jax.kernels.decode_attention_tpu import decode_attention_tpu, filled_extent
 from trm_jax.kernels.flash_attention import BlockSizes, flash_attention
 from trm_jax.kernels.flash_attention_tpu import TPUBlockSizes, flash_attention_tpu
@@ -77,11 +78,12 @@ def decode_kernel(impl: str) -> Optional[Callable[..., jax.Array]]:
   k [B, K, H, C], v [B, K, C, H], pos [B, K, C], scale=None) -> o [B, N, H]`, run per device
   under a mesh; None where `impl` has none (decode with the XLA einsums)."""
   impl = resolve_impl(impl)
-  if not impl.startswith("pallas_tpu"):
+  if impl == "reference":
     return None
   interpret = impl.endswith("_interpret")
+  kernel = decode_attention_tpu if impl.startswith("pallas_tpu") else decode_attention
 
   def run(q, k, v, pos, *, scale=None):
-    return partitioned_decode(decode_attention_tpu, q, k, v, pos, filled_extent(pos),
-                              scale=scale, interpret=interpret)
+    return partitioned_decode(kernel, q, k, v, pos, filled_extent(pos), scale=scale,
+                              interpret=interpret)
   return run

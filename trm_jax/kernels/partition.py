@@ -71,9 +71,10 @@ def partitioned(kernel: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
 
 def partitioned_decode(kernel: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
                        pos: jax.Array, extent: jax.Array, **kwargs) -> jax.Array:
-  """`kernel(q, k, v, pos, extent, **kwargs)` (`decode_attention_tpu`: q [B, N, H], the
-  cache's k [B, K, H, C], v [B, K, C, H], pos [B, K, C], extent [B]) per device on the mesh,
-  split by rows and kv heads like `partitioned`; the slot axis is never split."""
+  """`kernel(q, k, v, pos, extent, **kwargs)` (`decode_attention` or `decode_attention_tpu`:
+  q [B, N, H], the cache's k [B, K, H, C], v [B, K, C, H], pos [B, K, C], extent [B]) per
+  device on the mesh, split by rows and kv heads like `partitioned`; the slot axis is never
+  split."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return kernel(q, k, v, pos, extent, **kwargs)
