@@ -24,9 +24,11 @@ minus at step 0.
 
 Writes into --out: sweep.md, summary.md (tables and each claim of the paper with its
 difference and 2 s.e.), summary.json, curves.png (held-out accuracy, PPL gap, largest token
-KL, rejection rate and the empirical B* over steps), sweep.csv (the sweep's runs) and results.csv
-(every run in --workdir). The runs live in
---workdir: rerunning the command skips finished runs, so the grid can be stopped and resumed.
+KL, rejection rate and the empirical B* over steps), sweep.csv (the sweep's runs), results.csv
+(every run in --workdir) and runs.jsonl.gz (every finished run's summary and metrics, no
+checkpoints). The runs live in --workdir: rerunning the command skips finished runs, so the
+grid can be stopped and resumed; on another machine, --restore first adds the runs of
+runs.jsonl.gz to the workdir, so only the missing ones run.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ METHODS = {EXACT: trm_mismatch.METHODS["ppo_clip"],
 SWEEP_METHODS = ("ppo_clip", "tis")
 TOKEN_LEVEL = trm_mismatch.TOKEN_LEVEL
 BREAK_FRACTION = 0.5
+ARCHIVE = "runs.jsonl.gz"    # every finished run's summary and metrics (sweep.archive_runs)
 CURVE_KEYS = ("trm/ppl_gap", "trm/delta_hat", "trm/reject_rate",
               "bound/unified")
 
@@ -263,6 +266,9 @@ def main(argv=None) -> int:
                  help="the token-level methods the sweep runs against the exact sampler")
   p.add_argument("--sweep-seeds", default="0")
   p.add_argument("--eval-samples", type=int, default=4, help="k of the held-out avg@k")
+  p.add_argument("--restore", action="store_true",
+                 help="first add the finished runs of OUT/runs.jsonl.gz to --workdir (a grid "
+                      "continued on another machine: only the runs it lacks then run)")
   report.add_run_args(p, "trm_long_horizon", seeds="0,1,2,3,4", batch=64, eval_problems=64)
   # 100: on the config's base the exact sampler's held-out gain is complete by step ~50 (+0.164
   # at 100, +0.183 at 300: docs/results.md); a cell of 100 steps takes ~7.5 min two at a time
@@ -278,6 +284,10 @@ def main(argv=None) -> int:
   sweep_methods = report.choices(p, args.sweep_methods, METHODS)
   sweep_groups = groups([EXACT, *sweep_methods], settings, sweep_seeds, fixed)
   sweep_cells = [c for cs in sweep_groups.values() for c in cs]
+  archive = os.path.join(args.out, ARCHIVE)
+  if args.restore:
+    print(f"[restore] {len(sweep.restore_runs(archive, args.workdir, CONFIG))} runs from "
+          f"{archive}")
   rows = []
   if args.phase == "sweep" or not args.setting:   # the comparison's setting comes from it
     # sweep.csv: the runs as the sweep left them (results.csv is rewritten by the comparison).
@@ -288,6 +298,7 @@ def main(argv=None) -> int:
     sweep_md = sweep_section(sweep_stats, exact, chosen, settings, sweep_seeds, args)
     os.makedirs(args.out, exist_ok=True)
     report.write_text(os.path.join(args.out, "sweep.md"), sweep_md + "\n")
+    sweep.archive_runs(args.workdir, archive)
     print(sweep_md)
   if args.phase == "sweep":
     return report.exit_code(rows, args.workdir)
@@ -312,6 +323,7 @@ def main(argv=None) -> int:
   order = [cs[i] for i in range(max(map(len, by_method.values()))) for cs in by_method.values()
            if i < len(cs)]
   rows += report.run_grid(CONFIG, order, args)
+  sweep.archive_runs(args.workdir, archive)
   sweep.plot_grouped(args.workdir, curve_keys, os.path.join(args.out, "curves.png"),
                      groups=by_method)
   stats = {m: run_stats(args.workdir, cs) for m, cs in by_method.items()}

@@ -9,6 +9,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -183,6 +184,14 @@ def test_trm_long_horizon_end_to_end(tmp_path, shared_run):
   again = (tmp_path / "out" / "summary.md").read_text()
   assert (tmp_path / "out" / "sweep.md").read_text().strip() in again
   assert "chosen with --setting; the sweep below was run earlier" in again
+  assert json.loads((tmp_path / "out" / "summary.json").read_text())["methods"] == got["methods"]
+  # Continued on "another machine": a fresh workdir restored from OUT/runs.jsonl.gz runs
+  # nothing and reports the same methods.
+  shutil.rmtree(tmp_path / "w")
+  _run("trm_long_horizon", tmp_path, shared_run, "--phase", "compare", "--setting", "noise_1.0",
+       "--methods", "exact,ppo_clip,frozen", "--restore",
+       *[a for s in LONG_ON_SHARED_BASE for a in ("--set", s)], shared_base=True)
+  assert not os.path.exists(tmp_path / "w" / "cells" / "method=exact,seed=0" / "log.txt")
   assert json.loads((tmp_path / "out" / "summary.json").read_text())["methods"] == got["methods"]
 
 

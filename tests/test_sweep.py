@@ -97,6 +97,37 @@ def test_rerun_skips_done_cells_and_resumes_unfinished(swept, shared_run):
     assert "resumed from step 2" in f.read()
 
 
+def test_finished_runs_move_to_another_workdir(swept, tmp_path, shared_run):
+  """--archive writes the finished runs (no checkpoints); --restore rebuilds them in a fresh
+  workdir as done cells: the same CSV rows, and a sweep there runs nothing. A damaged archive
+  is refused with the file and line named."""
+  _, workdir, sets, _ = swept
+  path = str(tmp_path / "runs.jsonl.gz")
+  rc, out = _cli("--workdir", workdir, "--archive", path)
+  assert rc == 0 and "archived 2 finished runs" in out, out
+  assert os.path.getsize(path) < 100_000          # summaries and metrics only
+  with open(path, "rb") as f:
+    first = f.read()
+  sweep.archive_runs(workdir, path)
+  with open(path, "rb") as f:
+    assert f.read() == first                      # same runs, same bytes
+  other = str(tmp_path / "other")
+  rc, out = _cli("--config", CONFIG, "--workdir", other, "--restore", path)
+  assert rc == 0 and "restored 2 runs" in out, out
+  assert sweep.restore_runs(path, other, CONFIG) == []   # already there: nothing to do
+  rows = lambda w: {r["cell"]: r for r in sweep.aggregate(w)}
+  assert rows(other) == rows(workdir)
+  rc, out = _cli("--config", CONFIG, "--workdir", other, "--grid", "seed=0,1", *sets,
+                 env=shared_run.env())
+  assert rc == 0 and "2 cells, 2 done, 0 to run" in out, out[-2000:]
+  import gzip  # pylint: disable=g-import-not-at-top
+  bad = str(tmp_path / "bad.jsonl.gz")
+  with gzip.open(bad, "wt") as f:
+    f.write(gzip.decompress(first).decode().splitlines()[0] + "\n{\"cell\": 1}\n")
+  with pytest.raises(config_lib.ConfigError, match="bad.jsonl.gz line 2"):
+    sweep.restore_runs(bad, str(tmp_path / "third"), CONFIG)
+
+
 def test_aggregate_only_and_conflicting_plan(swept):
   _, workdir, sets, _ = swept
   os.remove(os.path.join(workdir, "results.csv"))

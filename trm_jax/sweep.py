@@ -3,6 +3,9 @@ r"""Batch experiments: a grid of config overrides, run as processes, resumable, 
   python -m trm_jax.sweep --config configs/tiny_trm.py --workdir /tmp/sweep \
       --grid optim.lr=1e-5,3e-5 --grid seed=0,1,2 --set total_steps=40 --parallel 2
   python -m trm_jax.sweep --workdir /tmp/sweep --aggregate   # CSV + plots only
+  python -m trm_jax.sweep --workdir /tmp/sweep --archive runs.jsonl.gz   # finished runs, to move
+  python -m trm_jax.sweep --config configs/tiny_trm.py --workdir /tmp/other \
+      --restore runs.jsonl.gz                                 # ... into another workdir
   python -m trm_jax.sweep --backend slurm --processes 8 --sbatch-arg=--partition=gpu \
       --config configs/tiny_trm.py --workdir /shared/sweep --grid seed=0,1,2   # a job array
 
@@ -454,6 +457,70 @@ def _run_cell(d: str, parent_pid: Optional[int]) -> int:
   return 0
 
 
+# --- Moving finished runs between workdirs ------------------------------------------------------
+#
+# A grid that outlives one machine (a session's scratch disk, a cluster's job, a laptop that
+# plots the results) needs its finished runs without their checkpoints: a cell's summary.json
+# and metrics.jsonl are everything aggregation and the experiments' reports read.
+
+
+def archive_runs(workdir: str, path: str) -> list[str]:
+  """Writes the finished cells of WORKDIR's plan to `path`: gzip, one JSON line per cell with
+  its name, overrides, summary.json and metrics.jsonl (verbatim), written atomically; returns
+  the cell names. Checkpoints are left out: a restored cell is done, not resumable."""
+  import gzip  # pylint: disable=g-import-not-at-top
+  _, cells = load_plan(workdir)
+  done = [c for c in cells if is_done(workdir, c)]
+  tmp = path + ".tmp"
+  # mtime 0: the same runs give the same bytes, so a re-archive does not show as a change.
+  with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+    for c in done:
+      d = cell_dir(workdir, c)
+      with open(os.path.join(d, "summary.json")) as g:
+        summ = json.load(g)
+      with open(os.path.join(d, "metrics.jsonl")) as g:
+        metrics = g.read()
+      f.write((json.dumps({"cell": c.name, "overrides": [list(kv) for kv in c.overrides],
+                           "summary": summ, "metrics": metrics}) + "\n").encode())
+  os.replace(tmp, path)
+  return [c.name for c in done]
+
+
+def restore_runs(path: str, workdir: str, spec: str) -> list[str]:
+  """Unpacks `archive_runs`' file into WORKDIR: each archived cell not done there gets its
+  directory (metrics.jsonl, then summary.json, which marks it done) and joins the plan under
+  `spec`; returns the names restored. A cell planned there with other overrides fails, as a
+  sweep would; a damaged archive names the file and line."""
+  import gzip  # pylint: disable=g-import-not-at-top
+  entries = []
+  try:
+    with gzip.open(path, "rt") as f:
+      for i, line in enumerate(f, 1):
+        try:
+          e = json.loads(line)
+          entries.append((Cell(e["cell"], tuple(tuple(kv) for kv in e["overrides"])),
+                          e["summary"], e["metrics"]))
+        except (ValueError, KeyError, TypeError) as err:
+          raise config_lib.ConfigError(f"{path} line {i}: not an archived run ({err})") from err
+  except (OSError, EOFError) as err:
+    raise config_lib.ConfigError(f"{path}: cannot read the run archive ({err})") from err
+  os.makedirs(workdir, exist_ok=True)
+  _check_plan(workdir, spec, [c for c, _, _ in entries])
+  restored = []
+  for cell, summ, metrics in entries:
+    if is_done(workdir, cell):
+      continue
+    d = cell_dir(workdir, cell)
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, "metrics.jsonl.tmp")
+    with open(tmp, "w") as f:
+      f.write(metrics)
+    os.replace(tmp, os.path.join(d, "metrics.jsonl"))
+    wd.write_json_atomic(os.path.join(d, "summary.json"), summ)
+    restored.append(cell.name)
+  return restored
+
+
 # --- Aggregation -------------------------------------------------------------------------------
 
 def span_seconds(workdir: str) -> float:
@@ -604,6 +671,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--threads-per-cell", type=int, default=None,
                  help="XLA CPU threads per cell when --parallel > 1")
   p.add_argument("--aggregate", action="store_true", help="only rewrite results.csv + plots")
+  p.add_argument("--archive", metavar="PATH",
+                 help="write the finished runs (summaries and metrics, no checkpoints) to PATH "
+                      "(gzip JSON lines) and exit")
+  p.add_argument("--restore", metavar="PATH",
+                 help="with --config: add the runs of an --archive file to --workdir as done "
+                      "cells, then exit")
   p.add_argument("--backend", choices=("local", "slurm"), default="local",
                  help="local: cells as processes here; slurm: one job array (sbatch)")
   p.add_argument("--processes", type=int, default=1,
@@ -622,6 +695,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if not a.workdir:
     p.error("--workdir is required")
   try:
+    if a.archive:
+      names = archive_runs(a.workdir, a.archive)
+      print(f"[sweep] archived {len(names)} finished runs to {a.archive}")
+      return 0
+    if a.restore:
+      if not a.config:
+        p.error("--restore needs --config (the plan the runs join)")
+      names = restore_runs(a.restore, a.workdir, a.config)
+      print(f"[sweep] restored {len(names)} runs into {a.workdir}")
+      return 0
     if not a.aggregate:
       if not a.config:
         p.error("--config is required to run a sweep")
