@@ -232,7 +232,7 @@ def summary_json(stats: dict, setting: str, reason: str, args) -> dict:
 
 
 def write_summary(out: str, stats: dict, sweep_md: str, setting: str, reason: str, args,
-                  wall_s: float) -> str:
+                  wall_s: float, progress: dict) -> str:
   fmt = report.fmt_values
   header = ["method", "seeds", "held-out gain ± s.e.", "avg@k step 0", "avg@k end",
             "greedy end", "|Delta_PPL| last 10%", "largest token KL", "reject rate",
@@ -249,6 +249,10 @@ def write_summary(out: str, stats: dict, sweep_md: str, setting: str, reason: st
       f"{args.lr}; held-out avg@{args.eval_samples} on {args.eval_problems} fixed problems. "
       f"Mismatch: `{setting}` = {MISMATCHES[setting]} ({reason}). Values are mean ± std over "
       f"seeds (gain: mean ± s.e.). Training span {wall_s / 60:.1f} min, {args.parallel} runs at a time.",
+      *([] if progress["complete"] else [
+          f"**Interim: {progress['runs_done']} of the comparison's {progress['runs_planned']} "
+          f"runs have finished**; the numbers below are from those alone and change when the "
+          f"grid completes (rerun the command to go on)."]),
       "## The sweep", sweep_md,
       "## The comparison", report.markdown_table(header, rows),
       "## The paper's claims on these runs", "\n".join(claims(stats)),
@@ -266,6 +270,9 @@ def main(argv=None) -> int:
                  help="the token-level methods the sweep runs against the exact sampler")
   p.add_argument("--sweep-seeds", default="0")
   p.add_argument("--eval-samples", type=int, default=4, help="k of the held-out avg@k")
+  p.add_argument("--report-only", action="store_true",
+                 help="run nothing: write the reports from the runs finished so far (marked "
+                      "interim while the grid is incomplete)")
   p.add_argument("--restore", action="store_true",
                  help="first add the finished runs of OUT/runs.jsonl.gz to --workdir (a grid "
                       "continued on another machine: only the runs it lacks then run)")
@@ -328,11 +335,14 @@ def main(argv=None) -> int:
                      groups=by_method)
   stats = {m: run_stats(args.workdir, cs) for m, cs in by_method.items()}
   stats = {m: s for m, s in stats.items() if s["gain"]}
-  report.write_text(os.path.join(args.out, "summary.json"),
-                    json.dumps(summary_json(stats, setting, reason, args), indent=2) + "\n")
+  done = sum(sweep.is_done(args.workdir, c) for c in order)
+  progress = {"runs_done": done, "runs_planned": len(order), "complete": done == len(order)}
+  report.write_text(os.path.join(args.out, "summary.json"), json.dumps(
+      {**summary_json(stats, setting, reason, args), **progress}, indent=2) + "\n")
   print(write_summary(args.out, stats, sweep_md, setting, reason, args,
-                      sweep.span_seconds(args.workdir)))
-  return report.exit_code(rows, args.workdir)
+                      sweep.span_seconds(args.workdir), progress))
+  code = report.exit_code(rows, args.workdir)
+  return 0 if args.report_only else code   # the interim report is what was asked for
 
 
 if __name__ == "__main__":

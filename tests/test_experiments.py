@@ -192,7 +192,18 @@ def test_trm_long_horizon_end_to_end(tmp_path, shared_run):
        "--methods", "exact,ppo_clip,frozen", "--restore",
        *[a for s in LONG_ON_SHARED_BASE for a in ("--set", s)], shared_base=True)
   assert not os.path.exists(tmp_path / "w" / "cells" / "method=exact,seed=0" / "log.txt")
-  assert json.loads((tmp_path / "out" / "summary.json").read_text())["methods"] == got["methods"]
+  again = json.loads((tmp_path / "out" / "summary.json").read_text())
+  assert again["methods"] == got["methods"] and again["complete"] and got["complete"]
+  # --report-only with a seed not yet run: nothing runs, and the reports say they are interim.
+  _run("trm_long_horizon", tmp_path, shared_run, "--phase", "compare", "--setting", "noise_1.0",
+       "--methods", "exact,ppo_clip,frozen", "--report-only", "--seeds", "0,1",
+       *[a for s in LONG_ON_SHARED_BASE for a in ("--set", s)], shared_base=True)
+  assert not os.path.exists(tmp_path / "w" / "cells" / "method=exact,seed=1")
+  interim = json.loads((tmp_path / "out" / "summary.json").read_text())
+  assert (interim["runs_done"], interim["runs_planned"], interim["complete"]) == (3, 6, False)
+  assert interim["methods"] == got["methods"]
+  assert "**Interim: 3 of the comparison's 6 runs have finished**" in (
+      tmp_path / "out" / "summary.md").read_text()
 
 
 def test_trm_long_horizon_chooses_the_mildest_breaking_setting():
