@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from trm_jax.kernels.decode_attention_tpu import decode_inputs
 from trm_jax.kernels.flash_attention import _MASK_VALUE, _pow2_at_least
 
 BLOCK = 128          # slots per loop step at most
@@ -95,16 +96,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array,
     block: slots per loop step at most (see `slot_block`).
     interpret: run the Pallas interpreter (CPU); False compiles for the GPU (Triton).
   """
-  from trm_jax.kernels.decode_attention_tpu import filled_extent  # pylint: disable=g-import-not-at-top
   B, N, H = q.shape
-  _, K, Hk, C = k.shape
-  if N % K or Hk != H or v.shape != (B, K, C, H) or pos.shape != (B, K, C):
-    raise ValueError(f"decode attention: q {q.shape}, k {k.shape}, v {v.shape}, pos "
-                     f"{pos.shape} are not [B, N, H], [B, K, H, C], [B, K, C, H], [B, K, C] "
-                     "with N a multiple of K")
-  G = N // K
-  scale = H ** -0.5 if scale is None else float(scale)
-  extent = filled_extent(pos) if extent is None else extent.astype(jnp.int32)
+  _, K, _, C = k.shape
+  G, scale, extent = decode_inputs(q, k, v, pos, extent, scale)
   bk = slot_block(C, block)
   Cp = -(-C // bk) * bk
   Gp, Hp = _pow2_at_least(G, 16), _pow2_at_least(H, 16)

@@ -47,6 +47,20 @@ def filled_extent(pos: jax.Array) -> jax.Array:
   return jnp.max(jnp.where(pos >= 0, idx, 0), axis=(1, 2)).astype(jnp.int32)
 
 
+def decode_inputs(q, k, v, pos, extent, scale):
+  """What both decode kernels check and default: (G, scale, extent) for q [B, N, H], the
+  cache's k [B, K, H, C], v [B, K, C, H], pos [B, K, C]; a shape mismatch names all four."""
+  B, N, H = q.shape
+  _, K, Hk, C = k.shape
+  if N % K or Hk != H or v.shape != (B, K, C, H) or pos.shape != (B, K, C):
+    raise ValueError(f"decode attention: q {q.shape}, k {k.shape}, v {v.shape}, pos "
+                     f"{pos.shape} are not [B, N, H], [B, K, H, C], [B, K, C, H], [B, K, C] "
+                     "with N a multiple of K")
+  scale = H ** -0.5 if scale is None else float(scale)
+  extent = filled_extent(pos) if extent is None else extent.astype(jnp.int32)
+  return N // K, scale, extent
+
+
 def _kernel(extent_ref, q_ref, k_ref, v_ref, pos_ref, o_ref, m_scr, l_scr, acc_scr, *,
             scale: float, block: int, nc: int):
   b, c = pl.program_id(0), pl.program_id(2)
@@ -92,14 +106,8 @@ def decode_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Arra
     interpret: run the Mosaic TPU interpreter (CPU); False compiles for the TPU.
   """
   B, N, H = q.shape
-  _, K, Hk, C = k.shape
-  if N % K or Hk != H or v.shape != (B, K, C, H) or pos.shape != (B, K, C):
-    raise ValueError(f"decode attention: q {q.shape}, k {k.shape}, v {v.shape}, pos "
-                     f"{pos.shape} are not [B, N, H], [B, K, H, C], [B, K, C, H], [B, K, C] "
-                     "with N a multiple of K")
-  G = N // K
-  scale = H ** -0.5 if scale is None else scale
-  extent = filled_extent(pos) if extent is None else extent.astype(jnp.int32)
+  _, K, _, C = k.shape
+  G, scale, extent = decode_inputs(q, k, v, pos, extent, scale)
   block = min(block, -(-C // LANES) * LANES)
   if block % LANES:
     raise ValueError(f"decode attention block={block} must be a multiple of {LANES}")
