@@ -176,34 +176,25 @@ def test_trm_long_horizon_end_to_end(tmp_path, shared_run):
   with open(tmp_path / "out" / "sweep.csv") as f:   # the sweep's runs, as the sweep left them
     assert {r["cell"] for r in csv.DictReader(f)} == {
         "method=exact,seed=0", "setting=noise_1.0,method=ppo_clip,seed=0"}
-  # The comparison in a phase of its own (nothing left to run): it quotes the earlier sweep
-  # and says the setting was chosen by hand.
-  _run("trm_long_horizon", tmp_path, shared_run, "--phase", "compare", "--setting", "noise_1.0",
-       "--methods", "exact,ppo_clip,frozen",
-       *[a for s in LONG_ON_SHARED_BASE for a in ("--set", s)], shared_base=True)
-  again = (tmp_path / "out" / "summary.md").read_text()
-  assert (tmp_path / "out" / "sweep.md").read_text().strip() in again
-  assert "chosen with --setting; the sweep below was run earlier" in again
-  assert json.loads((tmp_path / "out" / "summary.json").read_text())["methods"] == got["methods"]
-  # Continued on "another machine": a fresh workdir restored from OUT/runs.jsonl.gz runs
-  # nothing and reports the same methods.
+  # Continued "on another machine" in a phase of its own: a fresh workdir restored from
+  # OUT/runs.jsonl.gz, the setting given by hand, one more seed planned but only reported on
+  # (--report-only). Nothing runs; the summary quotes the earlier sweep, says the setting was
+  # chosen by hand, gives the restored runs' numbers and says it is interim.
+  assert got["complete"] and (got["runs_done"], got["runs_planned"]) == (3, 3)
   shutil.rmtree(tmp_path / "w")
   _run("trm_long_horizon", tmp_path, shared_run, "--phase", "compare", "--setting", "noise_1.0",
-       "--methods", "exact,ppo_clip,frozen", "--restore",
+       "--methods", "exact,ppo_clip,frozen", "--restore", "--report-only", "--seeds", "0,1",
        *[a for s in LONG_ON_SHARED_BASE for a in ("--set", s)], shared_base=True)
-  assert not os.path.exists(tmp_path / "w" / "cells" / "method=exact,seed=0" / "log.txt")
-  again = json.loads((tmp_path / "out" / "summary.json").read_text())
-  assert again["methods"] == got["methods"] and again["complete"] and got["complete"]
-  # --report-only with a seed not yet run: nothing runs, and the reports say they are interim.
-  _run("trm_long_horizon", tmp_path, shared_run, "--phase", "compare", "--setting", "noise_1.0",
-       "--methods", "exact,ppo_clip,frozen", "--report-only", "--seeds", "0,1",
-       *[a for s in LONG_ON_SHARED_BASE for a in ("--set", s)], shared_base=True)
-  assert not os.path.exists(tmp_path / "w" / "cells" / "method=exact,seed=1")
+  assert os.listdir(tmp_path / "w" / "cells") and not any(
+      os.path.exists(tmp_path / "w" / "cells" / c / "log.txt")
+      for c in os.listdir(tmp_path / "w" / "cells"))
   interim = json.loads((tmp_path / "out" / "summary.json").read_text())
   assert (interim["runs_done"], interim["runs_planned"], interim["complete"]) == (3, 6, False)
   assert interim["methods"] == got["methods"]
-  assert "**Interim: 3 of the comparison's 6 runs have finished**" in (
-      tmp_path / "out" / "summary.md").read_text()
+  again = (tmp_path / "out" / "summary.md").read_text()
+  assert (tmp_path / "out" / "sweep.md").read_text().strip() in again
+  assert "chosen with --setting; the sweep below was run earlier" in again
+  assert "**Interim: 3 of the comparison's 6 runs have finished**" in again
 
 
 def test_trm_long_horizon_chooses_the_mildest_breaking_setting():
