@@ -1,7 +1,10 @@
 """Deviceless AOT compile for an 8 x H200 node through the CUDA PJRT plugin (no GPU, no driver).
 
-Skips with the reason when the plugin is absent (`pip install -e .[gpu_aot]`). Runtime ~5 s.
+Skips with the reason when the plugin is absent (`pip install -e .[gpu_aot]`; CI installs it).
+Runtime ~20 s, most of it the trainer's update program.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,6 +95,27 @@ def test_triton_kernel_per_device_under_shard_map(mesh):
   assert cost["kernel_flops"] == 9 * 2 * (B // 4) * (N // 2) * H * T * T / 2
 
 
+def test_triton_decode_kernel_compiles_per_device(mesh):
+  """The Triton decode kernel (what "auto" decodes with on a GPU) compiles for sm_90 at a
+  Qwen3-8B decode shape (64 rows, 8 kv heads x 4, H 128, 8192 slots, bf16), one call per GPU
+  on its 16 rows and 4 kv heads: Triton's own compile (tile shapes, shared memory) passes, which
+  lowering alone (tests/test_kernels_decode.py) does not reach."""
+  from trm_jax.kernels.attention import decode_kernel  # pylint: disable=g-import-not-at-top
+  B, K, G, H, C = 64, 8, 4, 128, 8192
+  rows3, rows4 = P("data", "tensor", None), P("data", "tensor", None, None)
+  args = (_abstract(mesh, (B, K * G, H), jnp.bfloat16, rows3),
+          _abstract(mesh, (B, K, H, C), jnp.bfloat16, rows4),
+          _abstract(mesh, (B, K, C, H), jnp.bfloat16, rows4),
+          _abstract(mesh, (B, K, C), jnp.int32, rows3))
+  kernel = decode_kernel("pallas")
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(lambda q, k, v, pos: kernel(q, k, v, pos)).lower(*args).compile()
+  calls = [l for l in compiled.as_text().splitlines()
+           if 'custom_call_target="__gpu$xla.gpu.triton"' in l]
+  assert len(calls) == 1 and "/decode_attention/" in calls[0], calls
+  assert f"bf16[{B // 4},{K // 2},{H},{C}]" in calls[0].split("backend_config=")[0]
+
+
 def test_triton_tiles_that_overflow_shared_memory_fail_here(mesh):
   """What the compile checks without a GPU: fp32 tiles of 64 x 256 overflow the H200's 227 KiB
   of shared memory per block, and Triton says so at compile time."""
@@ -133,3 +157,13 @@ def test_trainer_update_compiles_for_an_h200_node(mesh):
   B_dev = 16 // c.rl.num_minibatches // 8    # a minibatch's rows on each GPU
   assert f"bf16[{B_dev}," in hlo or f"f32[{B_dev}," in hlo
   assert compiled.memory_analysis().temp_size_in_bytes > 0
+  # Its rollout program prefills through the flash kernel and decodes with the einsums: H2O,
+  # tiny_smd's policy, evicts by the attention probabilities, which the decode kernel does not
+  # return. Under SnapKV the same program decodes through the Triton decode kernel.
+  names = lambda c: set(re.findall(r'name = "(\w+)"', aot.build(
+      c, hf, gpu_aot.topology_devices("h200:8"), "gpu").programs["rollout"].lower().as_text()))
+  h2o = names(c)
+  assert c.rollout.cache.policy == "h2o" and "vis_flash_fwd" in h2o
+  assert "decode_attention" not in h2o
+  snap = sweep.apply_overrides(c, {"rollout.cache.policy": "snapkv"}.items())
+  assert names(snap) >= {"vis_flash_fwd", "decode_attention"}
