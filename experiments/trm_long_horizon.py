@@ -25,10 +25,12 @@ minus at step 0.
 Writes into --out: sweep.md, summary.md (tables and each claim of the paper with its
 difference and 2 s.e.), summary.json, curves.png (held-out accuracy, PPL gap, largest token
 KL, rejection rate and the empirical B* over steps), sweep.csv (the sweep's runs), results.csv
-(every run in --workdir) and runs.jsonl.gz (every finished run's summary and metrics, no
-checkpoints). The runs live in --workdir: rerunning the command skips finished runs, so the
-grid can be stopped and resumed; on another machine, --restore first adds the runs of
-runs.jsonl.gz to the workdir, so only the missing ones run.
+(every run in --workdir), runs.jsonl.gz (every finished run's summary and metrics, no
+checkpoints) and base/ (the base model the runs started from: the warm-up is not bitwise
+reproducible across CPUs). The runs live in --workdir: rerunning the command skips finished
+runs, so the grid can be stopped and resumed; on another machine, --restore first adds the
+runs of runs.jsonl.gz to the workdir and installs base/ as the warm-up's cached base, so only
+the missing runs run, from the same base.
 """
 from __future__ import annotations
 
@@ -75,6 +77,21 @@ SWEEP_METHODS = ("ppo_clip", "tis")
 TOKEN_LEVEL = trm_mismatch.TOKEN_LEVEL
 BREAK_FRACTION = 0.5
 ARCHIVE = "runs.jsonl.gz"    # every finished run's summary and metrics (sweep.archive_runs)
+BASE = "base"                # a copy of the base model the runs started from (warmup.copy_base)
+
+
+def base_of(cell: sweep.Cell) -> tuple[str, object]:
+  """(the base model directory a cell starts from, the cell's config)."""
+  c = sweep.cell_config(CONFIG, cell.overrides)
+  return (c.model.path or os.path.expanduser(c.warmup.cache_dir)), c
+
+
+def keep_base(cell: sweep.Cell, out: str) -> str:
+  """Copies the base the runs started from into OUT/base (warm-ups differ across CPUs, so the
+  runs' numbers belong to this base); returns its sha256."""
+  from trm_jax import warmup  # pylint: disable=g-import-not-at-top
+  src, _ = base_of(cell)
+  return warmup.model_digest(warmup.copy_base(src, os.path.join(out, BASE)))
 CURVE_KEYS = ("trm/ppl_gap", "trm/delta_hat", "trm/reject_rate",
               "bound/unified")
 
@@ -292,9 +309,15 @@ def main(argv=None) -> int:
   sweep_groups = groups([EXACT, *sweep_methods], settings, sweep_seeds, fixed)
   sweep_cells = [c for cs in sweep_groups.values() for c in cs]
   archive = os.path.join(args.out, ARCHIVE)
+  first = cell(EXACT, "", 0, fixed)            # every run shares its base model
   if args.restore:
     print(f"[restore] {len(sweep.restore_runs(archive, args.workdir, CONFIG))} runs from "
           f"{archive}")
+    _, c = base_of(first)
+    if os.path.isdir(os.path.join(args.out, BASE)) and not c.model.path:
+      from trm_jax import warmup  # pylint: disable=g-import-not-at-top
+      print(f"[restore] base model {warmup.install_base(os.path.join(args.out, BASE), c)} "
+            f"from {os.path.join(args.out, BASE)}")
   rows = []
   if args.phase == "sweep" or not args.setting:   # the comparison's setting comes from it
     # sweep.csv: the runs as the sweep left them (results.csv is rewritten by the comparison).
@@ -306,6 +329,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     report.write_text(os.path.join(args.out, "sweep.md"), sweep_md + "\n")
     sweep.archive_runs(args.workdir, archive)
+    if sweep.is_done(args.workdir, first):
+      keep_base(first, args.out)
     print(sweep_md)
   if args.phase == "sweep":
     return report.exit_code(rows, args.workdir)
@@ -336,7 +361,8 @@ def main(argv=None) -> int:
   stats = {m: run_stats(args.workdir, cs) for m, cs in by_method.items()}
   stats = {m: s for m, s in stats.items() if s["gain"]}
   done = sum(sweep.is_done(args.workdir, c) for c in order)
-  progress = {"runs_done": done, "runs_planned": len(order), "complete": done == len(order)}
+  progress = {"runs_done": done, "runs_planned": len(order), "complete": done == len(order),
+              "base_sha256": keep_base(first, args.out) if done else None}
   report.write_text(os.path.join(args.out, "summary.json"), json.dumps(
       {**summary_json(stats, setting, reason, args), **progress}, indent=2) + "\n")
   print(write_summary(args.out, stats, sweep_md, setting, reason, args,

@@ -181,6 +181,10 @@ def test_trm_long_horizon_end_to_end(tmp_path, shared_run):
   # (--report-only). Nothing runs; the summary quotes the earlier sweep, says the setting was
   # chosen by hand, gives the restored runs' numbers and says it is interim.
   assert got["complete"] and (got["runs_done"], got["runs_planned"]) == (3, 3)
+  # OUT/base: a copy of the base the runs started from (here the session's shared base).
+  from trm_jax import warmup  # pylint: disable=g-import-not-at-top
+  assert got["base_sha256"] == warmup.model_digest(str(tmp_path / "out" / "base")) == (
+      warmup.model_digest(shared_run.base_dir))
   shutil.rmtree(tmp_path / "w")
   _run("trm_long_horizon", tmp_path, shared_run, "--phase", "compare", "--setting", "noise_1.0",
        "--methods", "exact,ppo_clip,frozen", "--restore", "--report-only", "--seeds", "0,1",

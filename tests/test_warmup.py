@@ -30,3 +30,30 @@ def test_a_base_is_current_wherever_it_lives_and_only_for_its_settings(tmp_path)
                               [("warmup.cache_dir", str(b)), (key, value)])
     assert not warmup.is_current(str(b), d), key
   assert not warmup.is_current(str(tmp_path / "missing"), c)
+
+
+def test_a_carried_base_is_installed_as_the_cache_only_for_its_settings(tmp_path):
+  """install_base puts a base warmed up elsewhere where the config caches its own (the
+  long-horizon grid continued on another CPU must start from the same weights), atomically and
+  only once; a base of other warm-up settings, or a config with model.path, is refused."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  c = config_lib.load_config("configs/tiny_trm.py")
+  carried = _marked(tmp_path / "carried", c)
+  (carried / "model.safetensors").write_bytes(b"weights A")
+  c.warmup.cache_dir = str(tmp_path / "cache" / "base")
+  dst = warmup.install_base(str(carried), c)
+  assert dst == c.warmup.cache_dir and warmup.is_current(dst, c)
+  assert warmup.model_digest(dst) == warmup.model_digest(str(carried))
+  # A cache holding other weights is replaced; the same weights are left alone.
+  (carried / "model.safetensors").write_bytes(b"weights B")
+  warmup.install_base(str(carried), c)
+  assert (tmp_path / "cache" / "base" / "model.safetensors").read_bytes() == b"weights B"
+  assert not (tmp_path / "cache" / "base.tmp").exists()
+  other = sweep.apply_overrides(config_lib.load_config("configs/tiny_trm.py"),
+                                [("warmup.steps", c.warmup.steps + 1)])
+  with pytest.raises(config_lib.ConfigError, match="not warmed up with this config"):
+    warmup.install_base(str(carried), other)
+  other = sweep.apply_overrides(config_lib.load_config("configs/tiny_trm.py"),
+                                [("model.path", str(carried))])
+  with pytest.raises(config_lib.ConfigError, match="model.path"):
+    warmup.install_base(str(carried), other)
