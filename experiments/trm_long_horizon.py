@@ -76,24 +76,24 @@ METHODS = {EXACT: trm_mismatch.METHODS["ppo_clip"],
 SWEEP_METHODS = ("ppo_clip", "tis")
 TOKEN_LEVEL = trm_mismatch.TOKEN_LEVEL
 BREAK_FRACTION = 0.5
+CURVE_KEYS = ("trm/ppl_gap", "trm/delta_hat", "trm/reject_rate",
+              "bound/unified")
 ARCHIVE = "runs.jsonl.gz"    # every finished run's summary and metrics (sweep.archive_runs)
 BASE = "base"                # a copy of the base model the runs started from (warmup.copy_base)
 
 
-def base_of(cell: sweep.Cell) -> tuple[str, object]:
-  """(the base model directory a cell starts from, the cell's config)."""
-  c = sweep.cell_config(CONFIG, cell.overrides)
+def base_of(run: sweep.Cell) -> tuple[str, object]:
+  """(the base model directory a run starts from, the run's config)."""
+  c = sweep.cell_config(CONFIG, run.overrides)
   return (c.model.path or os.path.expanduser(c.warmup.cache_dir)), c
 
 
-def keep_base(cell: sweep.Cell, out: str) -> str:
-  """Copies the base the runs started from into OUT/base (warm-ups differ across CPUs, so the
-  runs' numbers belong to this base); returns its sha256."""
+def keep_base(run: sweep.Cell, out: str) -> str:
+  """Copies the base `run` started from (every run's) into OUT/base (warm-ups differ across
+  CPUs, so the runs' numbers belong to this base); returns its sha256."""
   from trm_jax import warmup  # pylint: disable=g-import-not-at-top
-  src, _ = base_of(cell)
+  src, _ = base_of(run)
   return warmup.model_digest(warmup.copy_base(src, os.path.join(out, BASE)))
-CURVE_KEYS = ("trm/ppl_gap", "trm/delta_hat", "trm/reject_rate",
-              "bound/unified")
 
 
 def cell(method: str, setting: str, seed: int, fixed: dict) -> sweep.Cell:
