@@ -342,7 +342,9 @@ def main(argv=None) -> int:
     # run in its own phase still says what the sweep found.
     earlier = os.path.join(args.out, "sweep.md")
     if os.path.exists(earlier):
-      reason += "; the sweep below was run earlier with --phase sweep"
+      reason += ("; the sweep below was run earlier with --phase sweep, from the base model "
+                 "its machine had then (warm-ups differ across CPUs; this comparison's is "
+                 "base/)")
       with open(earlier) as f:
         sweep_md = f.read().strip()
   else:
