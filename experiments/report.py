@@ -50,11 +50,9 @@ def bucket_order(name: str) -> int:
 
 
 def write_text(path: str, text: str) -> None:
+  from trm_jax import workdir  # pylint: disable=g-import-not-at-top
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
+  workdir.write_text_atomic(path, text)
 
 
 def write_summary(out: str, sections: Sequence[str]) -> str:

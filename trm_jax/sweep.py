@@ -512,10 +512,7 @@ def restore_runs(path: str, workdir: str, spec: str) -> list[str]:
       continue
     d = cell_dir(workdir, cell)
     os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, "metrics.jsonl.tmp")
-    with open(tmp, "w") as f:
-      f.write(metrics)
-    os.replace(tmp, os.path.join(d, "metrics.jsonl"))
+    wd.write_text_atomic(os.path.join(d, "metrics.jsonl"), metrics)
     wd.write_json_atomic(os.path.join(d, "summary.json"), summ)
     restored.append(cell.name)
   return restored

@@ -120,6 +120,11 @@ def build_base_model(c: ml_collections.ConfigDict, out_dir: str, *,
   with open(os.path.join(tmp, MARKER), "w") as f:
     json.dump(_fingerprint(c), f, indent=2)
   # Atomic publish: a crash mid-warm-up leaves no half-written base model behind.
+  return _publish(tmp, out_dir)
+
+
+def _publish(tmp: str, out_dir: str) -> str:
+  """Replaces out_dir by the finished directory tmp (a rename, after removing the old one)."""
   if os.path.exists(out_dir):
     shutil.rmtree(out_dir)
   os.replace(tmp, out_dir)
@@ -145,10 +150,7 @@ def copy_base(src: str, dst: str) -> str:
   tmp = dst + ".tmp"
   shutil.rmtree(tmp, ignore_errors=True)
   shutil.copytree(src, tmp)
-  if os.path.exists(dst):
-    shutil.rmtree(dst)
-  os.replace(tmp, dst)
-  return dst
+  return _publish(tmp, dst)
 
 
 def install_base(src: str, c: ml_collections.ConfigDict) -> str:

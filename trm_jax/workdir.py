@@ -158,8 +158,14 @@ def describe(changes: Mapping[str, tuple]) -> str:
   return "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
+def write_text_atomic(path: str, text: str) -> None:
+  """Writes `text` to `path` through a temporary file and a rename: a reader (or a crash)
+  sees the old file or the new one, never half of one."""
   tmp = f"{path}.tmp.{os.getpid()}"
   with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2)
+    f.write(text)
   os.replace(tmp, path)
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+  write_text_atomic(path, json.dumps(obj, indent=2))
