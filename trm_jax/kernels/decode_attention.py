@@ -16,8 +16,10 @@ max, sum and output) over the row's blocks, as in `flash_attention.py`'s forward
 
 Triton's dot needs operands of at least 16 in every dimension and power-of-two tiles: G and H
 are zero-padded to powers of two >= 16 (zero query heads are sliced off; zero head columns add
-nothing to q.k), and the block is the largest power of two <= `block` that divides C, so the
-cache is read in place; only a capacity with no power-of-two factor >= 16 is padded (a copy).
+nothing to q.k), and the block is the largest power of two <= `block` that divides C. The
+cache is read in place when H is already such a power (64 and 128: Qwen3, Qwen2, Llama) and C
+has a power-of-two factor >= 16; otherwise k, v and pos are padded, a copy of the cache in
+every decode step.
 
 One program walks its row's blocks in sequence, so a step has B x K programs: at a few rows
 with long caches (8 rows x 8 kv heads = 64 programs on a 132-SM H200) the GPU is under-filled.
