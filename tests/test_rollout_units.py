@@ -115,6 +115,28 @@ def test_from_prompt_right_aligns_kept_keys():
   assert c.pos[0, :, 3].tolist() == [6, 6] and c.k[0, 1, 0, 3] == 9.0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("slot", [5, [[1, 8], [0, 7], [11, 2]]], ids=["scalar", "per_row"])
+def test_cache_write_puts_the_same_bits_in_every_dtype(dtype, slot):
+  """16-bit caches are written through their uint16 bits (`kv_cache._update`): every dtype
+  gets the new key and value bitwise at their slot, a slot >= C drops the row's write, and
+  every other slot keeps its bits."""
+  B, K, H, C = 3, 2, 4, 8
+  r = np.random.default_rng(0)
+  c = kv_cache.empty(B, K, H, C, 10, dtype, keeps_score=False, never=10)
+  c = c.replace(k=jnp.asarray(r.normal(size=c.k.shape), dtype),
+                v=jnp.asarray(r.normal(size=c.v.shape), dtype))
+  kn, vn = (jnp.asarray(r.normal(size=(B, K, H)), dtype) for _ in range(2))
+  got = jax.jit(kv_cache.write)(c, jnp.asarray(slot, jnp.int32), kn, vn, jnp.int32(4))
+  k, v = np.array(c.k.astype(jnp.float32)), np.array(c.v.astype(jnp.float32))
+  for (b, h), s in np.ndenumerate(np.broadcast_to(np.asarray(slot), (B, K))):
+    if s < C:
+      k[b, h, :, s], v[b, h, s] = np.asarray(kn[b, h], np.float32), np.asarray(vn[b, h], np.float32)
+  assert got.k.dtype == got.v.dtype == jnp.dtype(dtype)
+  np.testing.assert_array_equal(np.asarray(got.k.astype(jnp.float32)), k)
+  np.testing.assert_array_equal(np.asarray(got.v.astype(jnp.float32)), v)
+
+
 def _cache(pos, score, T):
   pos = jnp.asarray(pos, jnp.int32)[None, None]                          # [1, 1, C]
   C = pos.shape[-1]
