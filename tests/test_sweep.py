@@ -260,3 +260,18 @@ def test_span_counts_overlaps_once_and_not_the_pause_between_sessions():
   assert sweep.union_length(spans) == 32.0
   assert sweep.union_length([]) == 0.0
   assert sweep.union_length([(1.0, 2.0), (2.0, 3.0)]) == 2.0
+
+
+def test_a_run_resumed_mid_grid_counts_its_steps_not_the_pause():
+  # Steps of 2 s, an evaluation of 3 s at step 2; the run stops after step 2 and resumes an
+  # hour later (the restore and start-up are not training either).
+  run = [{"step": 0, "wall_time": 3.0, "eval/avg@4": 0.5, "time/eval_s": 3.0},
+         {"step": 1, "wall_time": 5.0, "time/step_s": 2.0},
+         {"step": 2, "wall_time": 10.0, "time/step_s": 2.0, "eval/avg@4": 0.6,
+          "time/eval_s": 3.0},
+         {"step": 3, "wall_time": 3612.0, "time/step_s": 2.0}]
+  assert sweep.record_spans(run) == [(0.0, 3.0), (3.0, 5.0), (5.0, 10.0), (3610.0, 3612.0)]
+  assert sweep.union_length(sweep.record_spans(run)) == 12.0
+  # A log from before time/eval_s: an evaluation record stands for the time since the last.
+  old = [{k: v for k, v in r.items() if k != "time/eval_s"} for r in run]
+  assert sweep.record_spans(old)[2] == (5.0, 10.0) and sweep.record_spans(old)[0] == (3.0, 3.0)

@@ -522,21 +522,34 @@ def restore_runs(path: str, workdir: str, spec: str) -> list[str]:
 
 def span_seconds(workdir: str) -> float:
   """Training span of the finished cells: the time during which at least one of them was
-  training (the union of their first-logged-step-to-last-step intervals), from the steps' own
-  wall-clock stamps, so a later re-aggregation or re-evaluation does not count, nor does the
-  pause of a grid stopped in one session and resumed in the next. Excludes process start-up
-  and the one-off base-model warm-up; held-out evaluations inside the run (`eval_every`, the
-  last step's) are counted."""
+  training, from the steps' own clocks, so a later re-aggregation or re-evaluation does not
+  count, nor does the pause of a grid stopped in one session and resumed in the next, even
+  inside a cell that was stopped mid-run. Each metrics record stands for the interval
+  [wall_time - time/step_s - time/eval_s, wall_time] (the step and its held-out evaluation);
+  the union of all intervals is counted once. Excludes process start-up, checkpoint restore
+  and the one-off base-model warm-up.
+
+  Records written before the trainer logged `time/eval_s` that carry an evaluation stand
+  for the whole interval since the previous record (the step and its evaluation then, but
+  also any pause that ended there)."""
   _, cells = load_plan(workdir)
-  spans = []
-  for c in cells:
-    if not is_done(workdir, c):
+  return union_length([span for c in cells if is_done(workdir, c) for span in record_spans(
+      read_metrics(os.path.join(cell_dir(workdir, c), "metrics.jsonl")))])
+
+
+def record_spans(records) -> list[tuple[float, float]]:
+  """One run's metrics records -> the (start, end) interval each stands for (`span_seconds`)."""
+  spans, prev = [], None
+  for r in records:
+    if "wall_time" not in r:
       continue
-    records = read_metrics(os.path.join(cell_dir(workdir, c), "metrics.jsonl"))
-    if records and "wall_time" in records[0]:
-      spans.append((records[0]["wall_time"] - (records[0].get("time/step_s") or 0.0),
-                    records[-1]["wall_time"]))
-  return union_length(spans)
+    end = r["wall_time"]
+    if prev is not None and "time/eval_s" not in r and any(k.startswith("eval/") for k in r):
+      spans.append((prev, end))                       # written before time/eval_s existed
+    else:
+      spans.append((end - (r.get("time/step_s") or 0.0) - (r.get("time/eval_s") or 0.0), end))
+    prev = end
+  return spans
 
 
 def union_length(spans) -> float:

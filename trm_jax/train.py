@@ -279,17 +279,21 @@ def _loop(c: ml_collections.ConfigDict, ctx: step_lib.RLContext, state: step_lib
     return bool(c.eval_problems) and (
         step == c.total_steps or (c.eval_every > 0 and step % c.eval_every == 0))
 
-  def eval_metrics(ev: dict) -> dict:
-    return {f"eval/{k}": v for k, v in ev.items()}
+  def evaluate(params, **kw) -> tuple[dict, dict]:
+    """(the evaluation, its eval/* metrics with time/eval_s: the seconds it took, which
+    `sweep.span_seconds` adds to the step's own time/step_s)."""
+    t = time.time()
+    ev = step_lib.evaluate(ctx, params, **kw)
+    return ev, {**{f"eval/{k}": v for k, v in ev.items()}, "time/eval_s": time.time() - t}
 
   last_eval = None
   if state.step == 0 and c.eval_every > 0 and c.eval_problems:
     # Step 0: the starting policy on the same held-out problems (and, through the fixed eval
     # key, the same sampling noise) as every later evaluation, so eval/* changes are the
     # policy's, not the training batches' difficulty (which dominates per-step reward).
-    last_eval = step_lib.evaluate(ctx, state.params)
+    last_eval, ev_metrics = evaluate(state.params)
     if logger is not None:
-      logger.log(0, eval_metrics(last_eval))
+      logger.log(0, ev_metrics)
 
   # --- The loop -------------------------------------------------------------------------------
   t_start = time.time()
@@ -309,8 +313,8 @@ def _loop(c: ml_collections.ConfigDict, ctx: step_lib.RLContext, state: step_lib
     metrics.update(memory_metrics())
     logged = state.step % c.log_every == 0 or state.step == c.total_steps
     if eval_due(state.step):
-      last_eval = step_lib.evaluate(ctx, state.params, step=state.step)
-      metrics.update(eval_metrics(last_eval))
+      last_eval, ev_metrics = evaluate(state.params, step=state.step)
+      metrics.update(ev_metrics)
       logged = True
     skipped_run = skipped_run + [(metrics["learner/skipped_nonfinite"],
                                   metrics["learner/skipped_all_masked"])] \
