@@ -39,6 +39,8 @@ from typing import Iterable, Mapping, Optional, Sequence
 import jax
 import numpy as np
 
+from trm_jax import workdir as wd
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -173,10 +175,7 @@ class MetricsLogger:
       return
     log.info("%s: rewriting to the %d lines up to resumed step %d (was %d lines)", self.path,
              len(kept), resume_step, len(lines))
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(tmp, self.path)
+    wd.write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
   def log(self, step: int, metrics: Mapping[str, float]) -> Optional[dict]:
     """Writes one step: a JSON line (null for non-finite), TB scalars (finite only), the bar.
