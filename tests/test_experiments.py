@@ -160,6 +160,10 @@ def test_trm_long_horizon_end_to_end(tmp_path, shared_run):
   got = json.loads((tmp_path / "out" / "summary.json").read_text())
   assert got["setting"]["name"] == "noise_1.0" and set(got["methods"]) == {
       "exact", "ppo_clip", "frozen"}
+  # The --set overrides every run shared (here the task set back to the shared base's) are
+  # part of the setting, in the JSON and in both reports.
+  assert got["setting"]["sets"]["task.synthetic.min_operands"] == 2
+  assert "'task.synthetic.distinct': False" in (tmp_path / "out" / "sweep.md").read_text()
   for m, cell in (("exact", "method=exact,seed=0"),
                   ("ppo_clip", "setting=noise_1.0,method=ppo_clip,seed=0")):
     r = rows[cell]
