@@ -51,15 +51,16 @@ CONFIG = os.path.join(REPO, "configs", "tiny_trm_long.py")
 # Mismatch settings, mildest first. Each is applied to every method but `exact` and `frozen`.
 # The order is by the largest token KL the 100-step sweep measured on this task (its mean over
 # steps, PPO-clip runs): bf16 0.012, stale_4 0.015, noise_0.3 0.11, noise_1.0 1.5, evict_50 24
-# (the learner scores the dense context the sampler never saw). evict_75 (a quarter of the
-# cache evicted) was added after that sweep, before evict_50: the same kind of mismatch, milder,
-# where a trust region might reject some sequences rather than all of them.
+# (the learner scores the dense context the sampler never saw). `rollout.cache.ratio` is the
+# fraction of keys *removed* (`trm_jax.rollout.cache.keep_count`): evict_25 (a quarter of the cache
+# evicted, added after that sweep) is the same kind of mismatch as evict_50, milder, where a
+# trust region might reject some sequences rather than all of them.
 MISMATCHES = {
     "bf16": {"rollout.dtype": "bfloat16"},
     "stale_4": {"rl.staleness": 4},
     "noise_0.3": {"rollout.dtype": "bfloat16", "rollout.logit_noise": 0.3},
     "noise_1.0": {"rollout.dtype": "bfloat16", "rollout.logit_noise": 1.0},
-    "evict_75": {"rollout.cache.policy": "snapkv", "rollout.cache.ratio": 0.75,
+    "evict_25": {"rollout.cache.policy": "snapkv", "rollout.cache.ratio": 0.25,
                  "smd.mode": "naive"},
     "evict_50": {"rollout.cache.policy": "snapkv", "rollout.cache.ratio": 0.5,
                  "smd.mode": "naive"},
