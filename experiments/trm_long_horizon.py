@@ -5,9 +5,10 @@ that token-level corrections cannot absorb.
   python -m experiments.trm_long_horizon --phase sweep        # only the mismatch sweep
   python -m experiments.trm_long_horizon --phase compare --setting noise_1.0
 
-The task is `configs/tiny_trm_long.py`: running sums of 10-18 distinct two-digit operands with
-every step written out, so a response is 100-210 tokens and a per-step error compounds over
-the horizon. The config's sampler is exact (fp32, no logit noise, synchronous): `exact` below.
+The task is `configs/tiny_trm_long.py`: running sums of 14-22 distinct two-digit operands with
+every step written out, so a worked response is 140-265 tokens and a per-step error compounds
+over the horizon (experiments/results/trm_long_horizon_10_18 holds the complete grid of its
+earlier 10-18 operands, made at commit 5e17719). The config's sampler is exact (fp32, no logit noise, synchronous): `exact` below.
 
 Phase 1, the sweep. Under each mismatch of MISMATCHES (the project's sources: bf16 sampler,
 logit noise, staleness, KV eviction without SMD), token-level PPO-clip and TIS train on the
