@@ -180,17 +180,17 @@ def fixed_overrides(args, **extra) -> dict:
   return fixed
 
 
-def run_grid(config: str, cells, args, csv: str = "results.csv") -> list[dict]:
+def run_grid(config: str, cells, args, csv: str = "results.csv", on_done=None) -> list[dict]:
   """Runs (or resumes) the cells, then writes OUT/`csv` (every run in the workdir); returns the
   rows. With `args.report_only` nothing runs: the cells are planned and the rows say which
-  are done."""
+  are done. `on_done(cell, status)`: `sweep.run_sweep`'s, called as each cell ends."""
   from trm_jax import sweep  # pylint: disable=g-import-not-at-top
   if getattr(args, "report_only", False):
     sweep.plan_sweep(config, cells, args.workdir)
     rows = [sweep.cell_row(args.workdir, c) for c in cells]
   else:
     rows = sweep.run_sweep(config, cells, args.workdir, parallel=args.parallel,
-                           threads_per_cell=1 if args.parallel > 1 else None)
+                           threads_per_cell=1 if args.parallel > 1 else None, on_done=on_done)
   os.makedirs(args.out, exist_ok=True)
   sweep.aggregate(args.workdir, os.path.join(args.out, csv))
   return rows

@@ -308,9 +308,10 @@ def main(argv=None) -> int:
                  help="first add the finished runs of OUT/runs.jsonl.gz to --workdir (a grid "
                       "continued on another machine: only the runs it lacks then run)")
   report.add_run_args(p, "trm_long_horizon", seeds="0,1,2,3,4", batch=64, eval_problems=64)
-  # 100: on the config's base the exact sampler's held-out gain is complete by step ~50 (+0.164
-  # at 100, +0.183 at 300: docs/results.md); a cell of 100 steps takes ~7.5 min two at a time
-  # on a 2-core machine, so the 51-cell grid is ~3 hours. --steps 300 for the issue's horizon.
+  # 100: the exact sampler's held-out gain is +0.215 by step 100 on the 14-22 base (at 10-18 it
+  # was complete by step ~50: docs/results.md); a cell of 100 steps takes 8-9 min two at a
+  # time on a 2-core machine, so the 53-cell grid is ~3.7 hours.
+  # --steps 300 for the issue's horizon.
   p.set_defaults(steps=100)
   args = p.parse_args(argv)
   settings = report.choices(p, args.settings, MISMATCHES, "mismatch")
@@ -332,10 +333,20 @@ def main(argv=None) -> int:
       from trm_jax import warmup  # pylint: disable=g-import-not-at-top
       print(f"[restore] base model {warmup.install_base(os.path.join(args.out, BASE), c)} "
             f"from {os.path.join(args.out, BASE)}")
+
+  def save(c: sweep.Cell, status: str) -> None:
+    """After each run: OUT gets every finished run and the base, so a grid of hours that
+    loses its machine loses at most the runs in flight (OUT is in the repository)."""
+    del c
+    if status == "ok":
+      os.makedirs(args.out, exist_ok=True)
+      sweep.archive_runs(args.workdir, archive)
+      keep_base(first, args.out)
+
   rows = []
   if args.phase == "sweep" or not args.setting:   # the comparison's setting comes from it
     # sweep.csv: the runs as the sweep left them (results.csv is rewritten by the comparison).
-    rows = report.run_grid(CONFIG, sweep_cells, args, csv="sweep.csv")
+    rows = report.run_grid(CONFIG, sweep_cells, args, csv="sweep.csv", on_done=save)
     sweep_stats = {k: run_stats(args.workdir, cs) for k, cs in sweep_groups.items()}
     exact = sweep_stats.pop((EXACT, ""))
     chosen = choose_setting(sweep_stats, exact)
@@ -370,7 +381,7 @@ def main(argv=None) -> int:
   # same number of seeds, so what it has can already be compared.
   order = [cs[i] for i in range(max(map(len, by_method.values()))) for cs in by_method.values()
            if i < len(cs)]
-  rows += report.run_grid(CONFIG, order, args)
+  rows += report.run_grid(CONFIG, order, args, on_done=save)
   sweep.archive_runs(args.workdir, archive)
   sweep.plot_grouped(args.workdir, curve_keys, os.path.join(args.out, "curves.png"),
                      groups=by_method)

@@ -231,8 +231,11 @@ def test_a_second_sweep_on_one_workdir_is_refused(tmp_path, capsys):
 def test_crashing_cell_is_reported_and_others_unaffected(tmp_path):
   workdir = str(tmp_path / "w")
   cells = [sweep.Cell("missing", (("model.path", str(tmp_path / "no_such_checkpoint")),))]
-  rows = sweep.run_sweep(CONFIG, cells, workdir, log=lambda _: None)
+  ended = []
+  rows = sweep.run_sweep(CONFIG, cells, workdir, log=lambda _: None,
+                         on_done=lambda c, status: ended.append((c.name, status)))
   assert rows[0]["status"] == "failed"
+  assert ended == [("missing", "failed (exit 1)")]   # told as it ends, with its status
   with open(os.path.join(workdir, "cells", "missing", "log.txt")) as f:
     assert "no_such_checkpoint" in f.read()
 

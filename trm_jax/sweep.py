@@ -51,7 +51,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -300,11 +300,15 @@ def plan_sweep(spec: str, cells: Sequence[Cell], workdir: str) -> None:
 
 
 def run_sweep(spec: str, cells: Sequence[Cell], workdir: str, *, parallel: int = 1,
-              threads_per_cell: Optional[int] = None, log=print) -> list[dict]:
+              threads_per_cell: Optional[int] = None, log=print,
+              on_done: Optional[Callable[[Cell, str], None]] = None) -> list[dict]:
   """Runs every cell not yet done, `parallel` at a time; returns the aggregated rows.
 
   Cells are validated (keys, types, cross-field checks) before anything runs. A failed cell
   is reported in its row (`status=failed`, log in its directory); the others still run.
+  `on_done(cell, status)` is called as each launched cell ends ("ok" or "failed (exit N)"),
+  so a grid of hours can copy its finished runs somewhere safe (`archive_runs`) as it goes
+  rather than only at the end, which a lost machine never reaches.
   """
   if parallel < 1:
     raise ValueError(f"parallel={parallel}; must be >= 1")
@@ -330,6 +334,8 @@ def run_sweep(spec: str, cells: Sequence[Cell], workdir: str, *, parallel: int =
       status = "ok" if rc == 0 and is_done(workdir, cell) else f"failed (exit {rc})"
       log(f"[sweep] {cell.name}: {status} in {time.time() - started:.0f}s "
           f"(sweep {time.time() - t0:.0f}s)")
+      if on_done is not None:
+        on_done(cell, status)
   rows = aggregate(workdir)
   return rows
 
