@@ -308,9 +308,9 @@ def main(argv=None) -> int:
                  help="first add the finished runs of OUT/runs.jsonl.gz to --workdir (a grid "
                       "continued on another machine: only the runs it lacks then run)")
   report.add_run_args(p, "trm_long_horizon", seeds="0,1,2,3,4", batch=64, eval_problems=64)
-  # 100: the exact sampler's held-out gain is +0.215 by step 100 on the 14-22 base (at 10-18 it
-  # was complete by step ~50: docs/results.md); a cell of 100 steps takes 8-9 min two at a
-  # time on a 2-core machine, so the 53-cell grid is ~3.7 hours.
+  # 100: on an AMD EPYC's 14-22 base the exact sampler gained +0.215 by step 100; on an Intel
+  # Xeon's base +0.098, and no more by step 200 (docs/results.md). A cell of 100 steps takes
+  # 8-10 min two at a time on a 2-core machine, so the 53-cell grid is ~4 hours.
   # --steps 300 for the horizon.
   p.set_defaults(steps=100)
   args = p.parse_args(argv)
