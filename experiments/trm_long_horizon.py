@@ -334,28 +334,29 @@ def main(argv=None) -> int:
       print(f"[restore] base model {warmup.install_base(os.path.join(args.out, BASE), c)} "
             f"from {os.path.join(args.out, BASE)}")
 
-  def save(c: sweep.Cell, status: str) -> None:
-    """After each run: OUT gets every finished run and the base, so a grid of hours that
-    loses its machine loses at most the runs in flight (OUT is in the repository)."""
-    del c
-    if status == "ok":
-      os.makedirs(args.out, exist_ok=True)
-      sweep.archive_runs(args.workdir, archive)
+  def save() -> None:
+    """OUT gets every finished run and, once one has finished, the base they started from.
+    Called after each run, so a grid of hours that loses its machine loses at most the runs
+    in flight (OUT is in the repository by default)."""
+    os.makedirs(args.out, exist_ok=True)
+    if sweep.archive_runs(args.workdir, archive):
       keep_base(first, args.out)
+
+  def on_done(_, status: str) -> None:
+    if status == "ok":
+      save()
 
   rows = []
   if args.phase == "sweep" or not args.setting:   # the comparison's setting comes from it
     # sweep.csv: the runs as the sweep left them (results.csv is rewritten by the comparison).
-    rows = report.run_grid(CONFIG, sweep_cells, args, csv="sweep.csv", on_done=save)
+    rows = report.run_grid(CONFIG, sweep_cells, args, csv="sweep.csv", on_done=on_done)
     sweep_stats = {k: run_stats(args.workdir, cs) for k, cs in sweep_groups.items()}
     exact = sweep_stats.pop((EXACT, ""))
     chosen = choose_setting(sweep_stats, exact)
     sweep_md = sweep_section(sweep_stats, exact, chosen, settings, sweep_seeds, args)
     os.makedirs(args.out, exist_ok=True)
     report.write_text(os.path.join(args.out, "sweep.md"), sweep_md + "\n")
-    sweep.archive_runs(args.workdir, archive)
-    if sweep.is_done(args.workdir, first):
-      keep_base(first, args.out)
+    save()
     print(sweep_md)
   if args.phase == "sweep":
     return report.exit_code(rows, args.workdir)
@@ -381,7 +382,7 @@ def main(argv=None) -> int:
   # same number of seeds, so what it has can already be compared.
   order = [cs[i] for i in range(max(map(len, by_method.values()))) for cs in by_method.values()
            if i < len(cs)]
-  rows += report.run_grid(CONFIG, order, args, on_done=save)
+  rows += report.run_grid(CONFIG, order, args, on_done=on_done)
   sweep.archive_runs(args.workdir, archive)
   sweep.plot_grouped(args.workdir, curve_keys, os.path.join(args.out, "curves.png"),
                      groups=by_method)
