@@ -175,7 +175,7 @@ def sweep_table(sweep_stats: dict, exact: dict) -> str:
 
 
 def sweep_section(sweep_stats: dict, exact: dict, chosen: tuple[str, str], settings, seeds,
-                  args) -> str:
+                  args, cells) -> str:
   """sweep.md: what ran, the table, each mismatch's overrides, and `chosen`, the (setting,
   reason) the comparison takes from it (`choose_setting`), so the file stands on its own."""
   setting, reason = chosen
@@ -187,7 +187,8 @@ def sweep_section(sweep_stats: dict, exact: dict, chosen: tuple[str, str], setti
       f"{args.lr}; held-out avg@{args.eval_samples} on {args.eval_problems} fixed problems, "
       f"gain = end minus step 0. A mismatch breaks token-level correction when a method keeps "
       f"at most {BREAK_FRACTION:.0%} of the exact sampler's gain. Training span "
-      f"{sweep.span_seconds(args.workdir) / 60:.1f} min, {args.parallel} runs at a time.",
+      f"{sweep.span_seconds(args.workdir, cells) / 60:.1f} min, {args.parallel} runs at a "
+      "time.",
       sweep_table(sweep_stats, exact),
       "Mismatches: " + "; ".join(f"`{k}` = {MISMATCHES[k]}" for k in settings) + ".",
       f"The comparison's setting by this rule: **{setting}**, {reason}."])
@@ -353,7 +354,8 @@ def main(argv=None) -> int:
     sweep_stats = {k: run_stats(args.workdir, cs) for k, cs in sweep_groups.items()}
     exact = sweep_stats.pop((EXACT, ""))
     chosen = choose_setting(sweep_stats, exact)
-    sweep_md = sweep_section(sweep_stats, exact, chosen, settings, sweep_seeds, args)
+    sweep_md = sweep_section(sweep_stats, exact, chosen, settings, sweep_seeds, args,
+                             sweep_cells)
     os.makedirs(args.out, exist_ok=True)
     report.write_text(os.path.join(args.out, "sweep.md"), sweep_md + "\n")
     save()
@@ -394,7 +396,7 @@ def main(argv=None) -> int:
   report.write_text(os.path.join(args.out, "summary.json"), json.dumps(
       {**summary_json(stats, setting, reason, args), **progress}, indent=2) + "\n")
   print(write_summary(args.out, stats, sweep_md, setting, reason, args,
-                      sweep.span_seconds(args.workdir), progress))
+                      sweep.span_seconds(args.workdir, order), progress))
   code = report.exit_code(rows, args.workdir)
   return 0 if args.report_only else code   # the interim report is what was asked for
 

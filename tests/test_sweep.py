@@ -278,3 +278,22 @@ def test_a_run_resumed_mid_grid_counts_its_steps_not_the_pause():
   # A log from before time/eval_s: an evaluation record stands for the time since the last.
   old = [{k: v for k, v in r.items() if k != "time/eval_s"} for r in run]
   assert sweep.record_spans(old)[2] == (5.0, 10.0) and sweep.record_spans(old)[0] == (3.0, 3.0)
+
+
+def test_span_of_some_cells_counts_only_theirs(tmp_path):
+  # Two phases planned in one workdir (the plan merges them): each phase's span is its own
+  # runs', and the default is every planned cell's.
+  workdir = str(tmp_path)
+  a, b = sweep.Cell("a", (("seed", 0),)), sweep.Cell("b", (("seed", 1),))
+  sweep._check_plan(workdir, "configs/tiny_trm.py", [a])       # pylint: disable=protected-access
+  sweep._check_plan(workdir, "configs/tiny_trm.py", [b])       # pylint: disable=protected-access
+  for c, (t0, t1) in ((a, (0.0, 10.0)), (b, (100.0, 130.0))):
+    d = sweep.cell_dir(workdir, c)
+    os.makedirs(d)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+      f.write(json.dumps({"step": 1, "wall_time": t1, "time/step_s": t1 - t0}) + "\n")
+    with open(os.path.join(d, "summary.json"), "w") as f:
+      json.dump({}, f)
+  assert sweep.span_seconds(workdir, [a]) == 10.0
+  assert sweep.span_seconds(workdir, [b]) == 30.0
+  assert sweep.span_seconds(workdir) == 40.0

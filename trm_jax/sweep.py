@@ -526,8 +526,10 @@ def restore_runs(path: str, workdir: str, spec: str) -> list[str]:
 
 # --- Aggregation -------------------------------------------------------------------------------
 
-def span_seconds(workdir: str) -> float:
-  """Training span of the finished cells: the time during which at least one of them was
+def span_seconds(workdir: str, cells: Optional[Sequence[Cell]] = None) -> float:
+  """Training span of the finished `cells` (default: every cell the workdir's plan holds,
+  which is the union of every grid run in it: an experiment whose phases share a workdir
+  passes each phase's cells, or a phase's span counts the others' runs): the time during which at least one of them was
   training, from the steps' own clocks, so a later re-aggregation or re-evaluation does not
   count, nor does the pause of a grid stopped in one session and resumed in the next, even
   inside a cell that was stopped mid-run. Each metrics record stands for the interval
@@ -538,7 +540,8 @@ def span_seconds(workdir: str) -> float:
   Records written before the trainer logged `time/eval_s` that carry an evaluation stand
   for the whole interval since the previous record (the step and its evaluation then, but
   also any pause that ended there)."""
-  _, cells = load_plan(workdir)
+  if cells is None:
+    _, cells = load_plan(workdir)
   return union_length([span for c in cells if is_done(workdir, c) for span in record_spans(
       read_metrics(os.path.join(cell_dir(workdir, c), "metrics.jsonl")))])
 
