@@ -181,23 +181,22 @@ def fixed_overrides(args, **extra) -> dict:
 
 
 def run_grid(config: str, cells, args, csv: str = "results.csv", on_done=None) -> list[dict]:
-  """Runs (or resumes) the cells, then writes OUT/`csv` (every run in the workdir); returns the
-  rows. With `args.report_only` nothing runs: the cells are planned and the rows say which
-  are done. `on_done(cell, status)`: `sweep.run_sweep`'s, called as each cell ends."""
+  """Runs (or resumes) the cells, then writes OUT/`csv` with their rows (only theirs: a
+  workdir two phases share holds the other's runs too); returns the rows. With
+  `args.report_only` nothing runs: the cells are planned and the rows say which are done.
+  `on_done(cell, status)`: `sweep.run_sweep`'s, called as each cell ends."""
   from trm_jax import sweep  # pylint: disable=g-import-not-at-top
   if getattr(args, "report_only", False):
     sweep.plan_sweep(config, cells, args.workdir)
-    rows = [sweep.cell_row(args.workdir, c) for c in cells]
   else:
-    rows = sweep.run_sweep(config, cells, args.workdir, parallel=args.parallel,
-                           threads_per_cell=1 if args.parallel > 1 else None, on_done=on_done)
+    sweep.run_sweep(config, cells, args.workdir, parallel=args.parallel,
+                    threads_per_cell=1 if args.parallel > 1 else None, on_done=on_done)
   os.makedirs(args.out, exist_ok=True)
-  sweep.aggregate(args.workdir, os.path.join(args.out, csv))
-  return rows
+  return sweep.aggregate(args.workdir, os.path.join(args.out, csv), cells)
 
 
 def exit_code(rows, workdir: str) -> int:
-  bad = [r["cell"] for r in rows if r["status"] != "ok"]
+  bad = list(dict.fromkeys(r["cell"] for r in rows if r["status"] != "ok"))  # phases overlap
   if bad:
     print(f"runs that did not finish: {bad} (logs in {workdir}/cells/*/log.txt)")
   return 1 if bad else 0

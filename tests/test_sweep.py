@@ -280,9 +280,9 @@ def test_a_run_resumed_mid_grid_counts_its_steps_not_the_pause():
   assert sweep.record_spans(old)[2] == (5.0, 10.0) and sweep.record_spans(old)[0] == (3.0, 3.0)
 
 
-def test_span_of_some_cells_counts_only_theirs(tmp_path):
-  # Two phases planned in one workdir (the plan merges them): each phase's span is its own
-  # runs', and the default is every planned cell's.
+def test_span_and_rows_of_some_cells_are_only_theirs(tmp_path):
+  # Two phases planned in one workdir (the plan merges them): each phase's span and CSV rows
+  # are its own runs', and the default is every planned cell's.
   workdir = str(tmp_path)
   a, b = sweep.Cell("a", (("seed", 0),)), sweep.Cell("b", (("seed", 1),))
   sweep._check_plan(workdir, "configs/tiny_trm.py", [a])       # pylint: disable=protected-access
@@ -297,3 +297,8 @@ def test_span_of_some_cells_counts_only_theirs(tmp_path):
   assert sweep.span_seconds(workdir, [a]) == 10.0
   assert sweep.span_seconds(workdir, [b]) == 30.0
   assert sweep.span_seconds(workdir) == 40.0
+  out = str(tmp_path / "b.csv")
+  assert [r["cell"] for r in sweep.aggregate(workdir, out, [b])] == ["b"]
+  with open(out) as f:
+    assert [r["cell"] for r in csv.DictReader(f)] == ["b"]
+  assert [r["cell"] for r in sweep.aggregate(workdir)] == ["a", "b"]

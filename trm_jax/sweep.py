@@ -601,9 +601,14 @@ def cell_row(workdir: str, cell: Cell) -> dict:
   return row
 
 
-def aggregate(workdir: str, out_csv: Optional[str] = None) -> list[dict]:
-  """Writes WORKDIR/results.csv (atomically) from every planned cell; returns the rows."""
-  _, cells = load_plan(workdir)
+def aggregate(workdir: str, out_csv: Optional[str] = None,
+              cells: Optional[Sequence[Cell]] = None) -> list[dict]:
+  """Writes `out_csv` (default WORKDIR/results.csv, atomically) with a row per cell; returns
+  the rows. `cells` defaults to every cell the workdir's plan holds, the union of every grid
+  run there: an experiment whose phases share a workdir passes each phase's own (as for
+  `span_seconds`)."""
+  if cells is None:
+    _, cells = load_plan(workdir)
   rows = [cell_row(workdir, c) for c in cells]
   cols = []
   for r in rows:
