@@ -26,7 +26,7 @@ minus at step 0.
 Writes into --out: sweep.md, summary.md (tables and each claim of the paper with its
 difference and 2 s.e.), summary.json, curves.png (held-out accuracy, PPL gap, largest token
 KL, rejection rate and the empirical B* over steps), sweep.csv (the sweep's runs), results.csv
-(every run in --workdir), runs.jsonl.gz (every finished run's summary and metrics, no
+(the comparison's runs), runs.jsonl.gz (every finished run's summary and metrics, no
 checkpoints) and base/ (the base model the runs started from: the warm-up is not bitwise
 reproducible across CPUs). The runs live in --workdir: rerunning the command skips finished
 runs, so the grid can be stopped and resumed; on another machine, --restore first adds the
