@@ -19,10 +19,12 @@ import pytest
 from flax import nnx
 
 from model_fixtures import assert_learner_replays, make_test_model
+from trm_jax.aot.tpu import libtpu_available
 from trm_jax.rollout import BatchingConfig, CacheConfig
+from trm_jax.rollout import cache as rollout_cache
 from trm_jax.rollout import sampler as sampler_lib
 
-P, R, G, B = 10, 22, 2, 12
+P, R, G, B = 20, 22, 2, 12
 KEY = jax.random.key(4)
 EOS = (7, 8, 9)   # three stop ids: rows of the random model finish at different steps
 POLICIES = {
@@ -33,8 +35,8 @@ POLICIES = {
     "random": CacheConfig(policy="random", ratio=0.4),
 }
 # 5 slots over 12 rows, refilled 2 at a time between chunks of 3 steps, caches cut to 16-slot
-# buckets, the last 2 decoding rows packed into 2 slots: every mechanism of the slotted loop
-# runs.
+# buckets (prompts of up to P = 20 tokens: longer than a bucket), the last 2 decoding rows
+# packed into 2 slots: every mechanism of the slotted loop runs.
 SLOTTED = BatchingConfig(slots=5, group_size=G, chunk=3, refill=2, bucket=16, tail=2)
 
 
@@ -134,6 +136,45 @@ def test_the_learner_replays_slotted_rollouts_exactly(dense):
   log-probs under the recorded visibility equal the sampler's."""
   ro = _generate(dense, POLICIES["h2o"], SLOTTED)
   assert_learner_replays(dense, ro, max_new_tokens=R, eos_ids=EOS, atol=2e-5)
+
+
+def test_prompts_longer_than_the_default_bucket(dense):
+  """Prompts of 136 tokens against the default 128-slot bucket: the loop's first stage holds
+  the prompt (a stage below it once padded a loaded prompt's record to a negative width), and
+  slotted rows still equal the all-at-once rows."""
+  rng = np.random.default_rng(1)
+  ids = np.repeat(rng.integers(8, 128, (2, 136)).astype(np.int32), 2, axis=0)
+  lens = np.array([136, 136, 130, 130], np.int32)
+  ids[2:, :6] = 0
+  run = lambda **kw: sampler_lib.generate(dense, ids, lens, max_new_tokens=6, key=KEY,
+                                          eos_ids=EOS, group_size=2, **kw)
+  ref = run()
+  _assert_same_rows(run(slots=2, chunk=2), ref)
+  assert rollout_cache.slot_buckets(141, least=138) == (141,)
+
+
+def test_the_first_stage_holds_a_loaded_prompt():
+  """The 8B paper config with slots=64: P = 1024 prompt slots, C = 5119, 640-slot blocks. The
+  stages start at the first block that holds a loaded prompt and one chunk of keys."""
+  assert rollout_cache.slot_buckets(5119) == (640, 1280, 1920, 2560, 3200, 3840, 4480, 5119)
+  assert rollout_cache.slot_buckets(5119, least=1024 + 16) == (
+      1280, 1920, 2560, 3200, 3840, 4480, 5119)
+  assert rollout_cache.slot_buckets(20, block=1, least=5) == (6, 9, 12, 15, 18, 20)
+
+
+@pytest.mark.skipif(not libtpu_available(), reason="libtpu not installed: no TPU lowering")
+def test_the_8b_paper_config_with_64_slots_lowers_its_rollout():
+  """The README's `--config.rollout.slots=64` on the 8B paper config (P = 1024 against a first
+  640-slot block) traces and lowers its rollout program for a v5p:4x4x4 slice (the compile
+  itself is `python -m trm_jax.aot ... --programs rollout`)."""
+  from trm_jax import config as config_lib, sweep  # pylint: disable=g-import-not-at-top
+  from trm_jax.aot import compiler as aot, tpu as tpu_aot  # pylint: disable=g-import-not-at-top
+  c = config_lib.load_config(os.path.join(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))), "configs", "qwen3_8b_dapo_trm.py"))
+  c = sweep.apply_overrides(c, [("rollout.slots", 64)])
+  hf, _ = aot.resolve_model(c)
+  s = aot.build(c, hf, tpu_aot.topology_devices("v5p:4x4x4"))
+  assert s.P == 1024 and "while" in s.programs["rollout"].lower().as_text()
 
 
 def test_bad_groups_and_batching_are_named(dense):

@@ -83,16 +83,19 @@ def row_budgets(cfg: CacheConfig, prompt_lengths: jax.Array, P: int,
   return jnp.minimum(lens, budget), budget
 
 
-def slot_buckets(C: int, *, block: int = 128, most: int = 8) -> Tuple[int, ...]:
+def slot_buckets(C: int, *, block: int = 128, most: int = 8, least: int = 1) -> Tuple[int, ...]:
   """The slot counts the decode loop cuts the caches to: multiples of a block (at least
-  `block` slots, grown so that there are at most `most`), ending at C. A chunk of decode steps
-  runs on the smallest bucket that holds every slot it can fill, so a step reads at most one
-  block (about C / most) more than the filled part: linear in the live length, not the
-  capacity. Each bucket is one stage of the sampler's decode loop (its own compiled decode
-  and refill bodies), so fewer buckets compile faster and read more per step."""
+  `block` slots, grown so that there are at most `most`), ending at C, from the first that
+  holds `least` slots. A chunk of decode steps runs on the smallest bucket that holds every
+  slot it can fill, so a step reads at most one block (about C / most) more than the filled
+  part: linear in the live length, not the capacity. Each bucket is one stage of the
+  sampler's decode loop (its own compiled decode and refill bodies), so fewer buckets compile
+  faster and read more per step. `least` is what a row just loaded fills in its first chunk
+  (its prompt's slots and one chunk's keys): a smaller bucket could never run a chunk, and
+  could not even hold the prompt it would be loaded with."""
   per = -(-C // most)                                   # ceil(C / most)
   blk = max(block, -(-per // block) * block)            # rounded up to a block
-  return tuple(range(blk, C, blk)) + (C,)
+  return tuple(n for n in range(blk, C, blk) if n >= least) + (C,)
 
 
 # ------------------------------------------------------------------------------ building

@@ -24,8 +24,9 @@ its own array index. Loading a row into a slot copies its prompt's KV (the polic
 selection: random eviction differs row by row) and samples its first token. The loop runs in
 chunks of `chunk` steps; between chunks, once `refill` slots are free (their rows hit EOS or
 T - 1), the next rows are loaded, on device. A chunk runs on the caches cut to the smallest
-`cache.slot_buckets` size holding every slot it can fill (one compiled branch per size), so a
-step reads the live part of the cache, not its capacity. Rows that finished mid-chunk, or
+`cache.slot_buckets` size holding every slot it can fill (one compiled branch per size; the
+smallest holds a loaded prompt and one chunk of keys), so a step reads the live part of the
+cache, not its capacity. Rows that finished mid-chunk, or
 slots with no row left, idle: their writes drop and their cache stays as it was.
 
 A row's draws are its own: the uniform of its token at index i + 1, the logit noise there,
@@ -565,7 +566,10 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
     tail = (s.next_row >= B) & (jnp.sum(s.active, dtype=jnp.int32) <= S_tail)
     return more(s) & ~tail
 
-  for n in kv.slot_buckets(C, block=g.bcfg.bucket):
+  # A stage below what a freshly loaded row fills in one chunk (its prompt's slots, then one
+  # chunk's keys) could neither run a chunk nor hold the prompts its refills load.
+  least = min(C, g.policy.prompt_slots + g.bcfg.chunk)
+  for n in kv.slot_buckets(C, block=g.bcfg.bucket, least=least):
     full = s.caches
     if n < C:
       s = s.replace(caches=tuple(kv_cache.first_slots(c, n) for c in full))

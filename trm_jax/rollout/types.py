@@ -155,7 +155,8 @@ class BatchingConfig:
     every slot the next chunk can fill (so a step reads the live part of the cache, not its
     capacity). A row that finishes mid-chunk idles until the chunk ends.
   bucket: the granularity of those sizes in slots (`cache.slot_buckets`: at most 8 sizes,
-    so at most 8 compiled decode chunks).
+    so at most 8 compiled decode chunks). Any value >= 1 works with any prompt length: the
+    sizes start at the first one that holds a loaded prompt and one chunk of keys.
   refill: load rows into free slots once at least this many are free (fewer when fewer rows
     are left); 0 = max(1, S // 8). Loading copies the prompt's KV into the slots and samples
     their first tokens: cheaper batched than one row at a time.
