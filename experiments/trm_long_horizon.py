@@ -44,7 +44,7 @@ import sys
 import numpy as np
 
 from experiments import report, trm_mismatch
-from trm_jax import sweep
+from trm_jax import run_archive, sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "tiny_trm_long.py")
@@ -84,7 +84,7 @@ TOKEN_LEVEL = trm_mismatch.TOKEN_LEVEL
 BREAK_FRACTION = 0.5
 CURVE_KEYS = ("trm/ppl_gap", "trm/delta_hat", "trm/reject_rate",
               "bound/unified")
-ARCHIVE = "runs.jsonl.gz"    # every finished run's summary and metrics (sweep.archive_runs)
+ARCHIVE = "runs.jsonl.gz"    # every finished run's summary and metrics (run_archive)
 BASE = "base"                # a copy of the base model the runs started from (warmup.copy_base)
 
 
@@ -327,7 +327,7 @@ def main(argv=None) -> int:
   archive = os.path.join(args.out, ARCHIVE)
   first = cell(EXACT, "", 0, fixed)            # every run shares its base model
   if args.restore:
-    print(f"[restore] {len(sweep.restore_runs(archive, args.workdir, CONFIG))} runs from "
+    print(f"[restore] {len(run_archive.restore_runs(archive, args.workdir, CONFIG))} runs from "
           f"{archive}")
     _, c = base_of(first)
     if os.path.isdir(os.path.join(args.out, BASE)) and not c.model.path:
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
     Called after each run, so a grid of hours that loses its machine loses at most the runs
     in flight (OUT is in the repository by default)."""
     os.makedirs(args.out, exist_ok=True)
-    if sweep.archive_runs(args.workdir, archive):
+    if run_archive.archive_runs(args.workdir, archive):
       keep_base(first, args.out)
 
   def on_done(_, status: str) -> None:
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
   order = [cs[i] for i in range(max(map(len, by_method.values()))) for cs in by_method.values()
            if i < len(cs)]
   rows += report.run_grid(CONFIG, order, args, on_done=on_done)
-  sweep.archive_runs(args.workdir, archive)
+  run_archive.archive_runs(args.workdir, archive)
   sweep.plot_grouped(args.workdir, curve_keys, os.path.join(args.out, "curves.png"),
                      groups=by_method)
   stats = {m: run_stats(args.workdir, cs) for m, cs in by_method.items()}

@@ -6,6 +6,7 @@ cell whose summary is gone re-runs alone and resumes from its checkpoint, and th
 bad values, conflicting plans and crashing cells are reported by name.
 """
 import csv
+import gzip
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from trm_jax import config as config_lib
-from trm_jax import sweep
+from trm_jax import run_archive, sweep
 from trm_jax import workdir as wd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,13 +109,17 @@ def test_finished_runs_move_to_another_workdir(swept, tmp_path):
   assert os.path.getsize(path) < 100_000          # summaries and metrics only
   with open(path, "rb") as f:
     first = f.read()
-  sweep.archive_runs(workdir, path)
+  run_archive.archive_runs(workdir, path)
   with open(path, "rb") as f:
     assert f.read() == first                      # same runs, same bytes
+  # Each run carries the config it was made under (its config.json).
+  entries = [json.loads(line) for line in gzip.decompress(first).decode().splitlines()]
+  with open(os.path.join(workdir, "cells", "seed=1", "config.json")) as f:
+    assert entries[1]["config"] == json.load(f) and entries[1]["spec"] == CONFIG
   other = str(tmp_path / "other")
   assert sweep.main(["--config", CONFIG, "--workdir", other, "--restore", path]) == 0
   assert all(sweep.is_done(other, sweep.Cell(n, ())) for n in ("seed=0", "seed=1"))
-  assert sweep.restore_runs(path, other, CONFIG) == []   # already there: nothing to do
+  assert run_archive.restore_runs(path, other, CONFIG) == []   # already there: nothing to do
   rows = lambda w: {r["cell"]: r for r in sweep.aggregate(w)}
   assert rows(other) == rows(workdir)
   # The same grid there runs nothing (no cell is launched, so no log is written).
@@ -124,12 +129,23 @@ def test_finished_runs_move_to_another_workdir(swept, tmp_path):
   assert "2 cells, 2 done, 0 to run" in logs[0], logs
   assert not any(os.path.exists(os.path.join(other, "cells", n, "log.txt"))
                  for n in ("seed=0", "seed=1"))
-  import gzip  # pylint: disable=g-import-not-at-top
   bad = str(tmp_path / "bad.jsonl.gz")
   with gzip.open(bad, "wt") as f:
     f.write(gzip.decompress(first).decode().splitlines()[0] + "\n{\"cell\": 1}\n")
   with pytest.raises(config_lib.ConfigError, match="bad.jsonl.gz line 2"):
-    sweep.restore_runs(bad, str(tmp_path / "third"), CONFIG)
+    run_archive.restore_runs(bad, str(tmp_path / "third"), CONFIG)
+  # The SMD grid cannot adopt these runs as its own: refused naming both configs.
+  smd = os.path.join(ROOT, "configs", "tiny_smd.py")
+  rc, out = _cli("--config", smd, "--workdir", str(tmp_path / "smd"), "--restore", path)
+  assert rc == 2 and not os.path.exists(tmp_path / "smd"), out
+  line = out.strip().splitlines()[-1]
+  assert line.startswith(f"error: {path} line 1 (cell 'seed=0') was made under --config "
+                         f"{CONFIG}, not under --config {smd}: ")
+  assert line.endswith("Restore it under its own config, or pass --allow_config_change to "
+                       "count it as a run of this one")
+  rc, out = _cli("--config", smd, "--workdir", str(tmp_path / "smd"), "--restore", path,
+                 "--allow_config_change")
+  assert rc == 0 and "restored 2 runs" in out, out
 
 
 def test_aggregate_only_and_conflicting_plan(swept):
@@ -177,6 +193,63 @@ def test_killed_sweep_takes_its_cells_with_it(swept, shared_run):
     time.sleep(0.1)
   assert not _alive(cell_pid), "the cell outlived its sweep"
   assert _lock_free(os.path.dirname(lock)), "the cell's workdir lock outlived it"
+
+
+def _wait_for(what, timeout=300):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if what():
+      return True
+    time.sleep(0.2)
+  return False
+
+
+def _last_step(workdir, name):
+  try:
+    with open(os.path.join(workdir, "cells", name, "metrics.jsonl")) as f:
+      return max([json.loads(line)["step"] for line in f if line.strip()], default=0)
+  except (OSError, ValueError):
+    return 0
+
+
+def test_a_stopped_sweep_checkpoints_its_cells_and_the_rerun_resumes_them(swept, shared_run):
+  """SIGTERM to the sweep's own process (what `docker stop` and a pod's termination send),
+  then SIGINT to its rerun (Ctrl-C): each time every running cell gets the signal once,
+  checkpoints the step it is in (ckpt_every is far off), and the sweep exits with the signal's
+  code and one line naming where each cell stopped; the rerun resumes each from there. Before,
+  the cells were SIGKILLed with the sweep (up to ckpt_every steps lost, or a save cut short)."""
+  tmp, _, sets, _ = swept
+  workdir = str(tmp / "stopped")
+  names = ("seed=0", "seed=1")
+  cmd = [sys.executable, "-m", "trm_jax.sweep", "--config", CONFIG, "--workdir", workdir,
+         "--grid", "seed=0,1", *sets, "--set", "total_steps=500", "--set", "ckpt_every=400",
+         "--parallel", "2", "--threads-per-cell", "1"]
+  reached = {}
+  for sig, expect in ((signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGINT,
+                                                                 "stopped by SIGINT")):
+    before = dict(reached)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=shared_run.env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert _wait_for(lambda: all(_last_step(workdir, n) > before.get(n, 0) for n in names)), (
+        "the cells never stepped")
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + sig, (out + err)[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    reached = {n: _last_step(workdir, n) for n in names}
+    said = "; ".join(f"{n} stopped (resumes from step {reached[n]})" for n in names)
+    assert err.strip().splitlines()[-1] == (f"[sweep] {expect}: {said}. Rerun the same "
+                                            f"command to resume (exit code {128 + sig})")
+    for n in names:
+      assert reached[n] > before.get(n, 0)
+      ckpt = os.listdir(os.path.join(workdir, "cells", n, "ckpt"))
+      assert str(reached[n]) in ckpt and not [d for d in ckpt if "tmp" in d], ckpt
+      with open(os.path.join(workdir, "cells", n, "log.txt")) as f:
+        log = f.read()
+      # The signal reached the cell once (a second one would have ended it without saving).
+      assert log.count(f"{signal.Signals(sig).name} received: finishing") == 1
+      if before:
+        assert f"resumed from step {before[n]}" in log
 
 
 def _lock_free(workdir: str) -> bool:
@@ -250,7 +323,7 @@ def test_grid_construction():
   cells = sweep.product(methods, sweep.axis("seed", [0, 1]))
   assert [c.name for c in cells] == ["m=a,seed=0", "m=a,seed=1", "m=b,seed=0", "m=b,seed=1"]
   assert dict(cells[1].overrides) == {"rl.objective": "tis", "trm.criteria": (), "seed": 1}
-  with pytest.raises(ValueError, match="share the directory"):
+  with pytest.raises(config_lib.ConfigError, match="share the directory"):
     sweep.product([("x", {}), ("x", {"seed": 1})])
   groups = sweep.group_cells(cells)
   assert sorted(groups) == ["objective=tis", "objective=x"] and all(len(g) == 2 for g in groups.values())
@@ -285,8 +358,8 @@ def test_span_and_rows_of_some_cells_are_only_theirs(tmp_path):
   # are its own runs', and the default is every planned cell's.
   workdir = str(tmp_path)
   a, b = sweep.Cell("a", (("seed", 0),)), sweep.Cell("b", (("seed", 1),))
-  sweep._check_plan(workdir, "configs/tiny_trm.py", [a])       # pylint: disable=protected-access
-  sweep._check_plan(workdir, "configs/tiny_trm.py", [b])       # pylint: disable=protected-access
+  sweep.check_plan(workdir, "configs/tiny_trm.py", [a])
+  sweep.check_plan(workdir, "configs/tiny_trm.py", [b])
   for c, (t0, t1) in ((a, (0.0, 10.0)), (b, (100.0, 130.0))):
     d = sweep.cell_dir(workdir, c)
     os.makedirs(d)
@@ -302,3 +375,87 @@ def test_span_and_rows_of_some_cells_are_only_theirs(tmp_path):
   with open(out) as f:
     assert [r["cell"] for r in csv.DictReader(f)] == ["b"]
   assert [r["cell"] for r in sweep.aggregate(workdir)] == ["a", "b"]
+
+
+# --- archives that cannot escape or lie, and the sweep's command line -------------------------
+def _archive(path, *entries):
+  """An archive of synthetic runs: each entry's fields over a valid run of tiny_trm."""
+  base = {"overrides": [["seed", 0]], "spec": CONFIG,
+          "config": json.loads(config_lib.load_config(CONFIG).to_json_best_effort()),
+          "summary": {"summary": {}, "eval": {}}, "metrics": '{"step": 1, "reward": 0.5}\n'}
+  with gzip.open(path, "wt") as f:
+    for e in entries:
+      f.write(json.dumps({**base, **e}) + "\n")
+  return str(path)
+
+
+@pytest.mark.parametrize("entry,why", [
+    ({"cell": "../../victim"}, "cell name '../../victim' is not a plain directory name"),
+    ({"cell": "/tmp/victim"}, "cell name '/tmp/victim' is not a plain directory name"),
+    ({"cell": "a", "overrides": [["optim.learning_rate", 1e-4]]},
+     "sweep override: unknown config key 'optim.learning_rate'"),
+    ({"cell": "a", "overrides": [["rl.batch_size", "many"]]}, "sweep override rl.batch_size="),
+    ({"cell": "a", "summary": ["not", "a", "summary"]}, "field 'summary' is list"),
+    ({"cell": "a", "summary": {"eval": 0.5}}, "summary field 'eval' is float"),
+    ({"cell": "a", "metrics": {"step": 1}}, "field 'metrics' is dict"),
+    ({"cell": "a", "metrics": "[1, 2]\n"}, "metrics line 1 is list"),
+])
+def test_a_bad_archive_entry_refuses_the_whole_restore(tmp_path, capsys, entry, why):
+  """An escaping name once replaced another run's metrics and marked it finished; here the
+  good first entry is not written either: nothing is."""
+  path = _archive(tmp_path / "a.jsonl.gz", {"cell": "good"}, entry)
+  workdir = tmp_path / "w"
+  assert sweep.main(["--config", CONFIG, "--workdir", str(workdir), "--restore", path]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: {path} line 2") and why in err[0], err
+  assert not workdir.exists() and not (tmp_path / "victim").exists()
+
+
+def test_a_symlinked_cell_directory_is_refused_and_old_archives_warn(tmp_path):
+  workdir, elsewhere = tmp_path / "w", tmp_path / "elsewhere"
+  (workdir / "cells").mkdir(parents=True)
+  elsewhere.mkdir()
+  os.symlink(elsewhere, workdir / "cells" / "a")
+  path = _archive(tmp_path / "a.jsonl.gz", {"cell": "a"})
+  with pytest.raises(config_lib.ConfigError, match="resolves outside"):
+    run_archive.restore_runs(path, str(workdir), CONFIG)
+  assert os.listdir(elsewhere) == []
+  # An archive written before runs carried their config restores, saying it was not checked.
+  logs = []
+  old = _archive(tmp_path / "old.jsonl.gz", {"cell": "b", "config": None, "spec": None})
+  assert run_archive.restore_runs(old, str(tmp_path / "v"), CONFIG, log=logs.append) == ["b"]
+  assert logs == [f"[sweep] warning: 1 runs in {old} record no config (archived before runs "
+                  f"carried one): restored as runs of --config {CONFIG} without checking"]
+
+
+def test_sweep_command_line_mistakes_are_one_line(tmp_path, capsys):
+  workdir = tmp_path / "w"
+  for n in ("0", "-1"):
+    with pytest.raises(SystemExit) as e:   # argparse's usage error: exit 2, one line after usage
+      sweep.main(["--config", CONFIG, "--workdir", str(workdir), "--grid", "seed=0",
+                  "--parallel", n])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"argument --parallel: must be >= 1, got {n}")
+  workdir.mkdir()
+  assert sweep.main(["--config", CONFIG, "--workdir", str(workdir), "--grid",
+                     "task.name=a b,a_b"]) == 2
+  assert capsys.readouterr().err.strip() == (
+      "error: grid cells 'name=a b' and 'name=a_b' would share the directory name 'name=a_b' "
+      "(names keep only letters, digits and _.,=+-); give the variants distinct values")
+  # --archive into a missing directory, and of a done cell whose metrics are gone.
+  cell = sweep.Cell("seed=0", (("seed", 0),))
+  sweep.check_plan(str(workdir), CONFIG, [cell])
+  d = sweep.cell_dir(str(workdir), cell)
+  os.makedirs(d)
+  with open(os.path.join(d, "summary.json"), "w") as f:
+    json.dump({}, f)
+  missing = tmp_path / "no" / "runs.jsonl.gz"
+  assert sweep.main(["--workdir", str(workdir), "--archive", str(missing)]) == 2
+  assert capsys.readouterr().err.strip() == (
+      f"error: --archive {missing}: directory {missing.parent} does not exist")
+  out = tmp_path / "runs.jsonl.gz"
+  assert sweep.main(["--workdir", str(workdir), "--archive", str(out)]) == 2
+  assert capsys.readouterr().err.strip() == (
+      f"error: cell 'seed=0' is done (summary.json) but {d}/metrics.jsonl cannot be read (No "
+      "such file or directory): its run cannot be archived")
+  assert not out.exists() and not os.path.exists(f"{out}.tmp")

@@ -40,6 +40,9 @@ import numpy as np
 
 DEBUG_ENV = "TRM_DEBUG_SIGNAL"
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# What a run writes to stderr when it takes a stop request (`trm_jax.sweep` reads it in a
+# cell's log to tell whether the cell already heard a signal it would otherwise forward).
+HEARD = "received: finishing the current step"
 
 
 def exit_code(signum: int) -> int:
@@ -94,8 +97,8 @@ class StopOnSignal:
                   f"(exit code {exit_code(signum)})\n".encode())
       os._exit(exit_code(signum))
     self.signum = signum
-    os.write(2, f"\n{name} received: finishing the current step, then saving a checkpoint "
-                f"and exiting (send it again to exit at once)\n".encode())
+    os.write(2, f"\n{name} {HEARD}, then saving a checkpoint and exiting (send it again to "
+                f"exit at once)\n".encode())
 
   def should_stop(self) -> Optional[int]:
     """The signal number if any process has been asked to stop, else None (a collective when

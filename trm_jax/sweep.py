@@ -17,6 +17,13 @@ The plan (config + cells) is stored in `WORKDIR/sweep.json`; re-running with a d
 for an existing cell name is an error rather than a silent mix of two experiments. One sweep
 runs per workdir (`WORKDIR/.sweep.lock`, a second is refused with exit 2).
 
+SIGTERM or SIGINT (Ctrl-C, `kill`, `docker stop`, a pod's termination) stop a local sweep
+without losing steps: no more cells start, the running ones are sent the signal (each finishes
+its step and checkpoints it), the sweep waits for them (at most `--stop-timeout` seconds, then
+kills the rest and names them), says where each cell stopped, and exits 128 + the signal number
+(143, 130). The same command resumes every cell from its checkpoint. `--archive` and
+`--restore` move finished runs between workdirs (`trm_jax.run_archive`).
+
 Cells share one persistent XLA compilation cache (`WORKDIR/jax_cache`), so cells that differ
 only in data (seeds) or in values that are arrays at run time compile once. The warm-up base
 model is built once, in this process, before any cell starts (parallel cells would otherwise
@@ -39,6 +46,7 @@ import ast
 import csv
 import dataclasses
 import hashlib
+import io
 import itertools
 import json
 import logging
@@ -56,6 +64,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from trm_jax import config as config_lib
+from trm_jax import preemption
 from trm_jax import workdir as wd
 from trm_jax.metrics import RESERVED_KEYS, read_metrics, rolling_mean, series
 
@@ -64,11 +73,23 @@ RESULTS = "results.csv"
 LOCK = ".sweep.lock"  # one sweep runner per workdir (its cells lock their own directories)
 
 
+# A cell's name is its directory under WORKDIR/cells: the characters `_slug` keeps, so that a
+# name read from a plan or an archive cannot reach outside it.
+_CELL_NAME = re.compile(r"[A-Za-z0-9_.,=+-]+")
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
   """One run of the grid: a name (its directory) and the config overrides that define it."""
   name: str
   overrides: tuple  # ((dotted key, value), ...), in the order they are applied
+
+  def __post_init__(self):
+    if not (isinstance(self.name, str) and _CELL_NAME.fullmatch(self.name)
+            and self.name not in (".", "..")):
+      raise config_lib.ConfigError(
+          f"cell name {self.name!r} is not a plain directory name (letters, digits and "
+          "_.,=+-, not '.' or '..'): it would be written outside WORKDIR/cells")
 
 
 def _fmt(v: Any) -> str:
@@ -102,11 +123,15 @@ def product(*axes: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Cell]:
     for _, o in combo:
       ov.update(o)
     cells.append(Cell(_slug(label), tuple(ov.items())))
-  names = [c.name for c in cells]
-  dup = {n for n in names if names.count(n) > 1}
+  labels: dict[str, list] = {}
+  for combo, cell in zip(itertools.product(*axes), cells):
+    labels.setdefault(cell.name, []).append(",".join(lbl for lbl, _ in combo if lbl) or "base")
+  dup = {n: ls for n, ls in labels.items() if len(ls) > 1}
   if dup:
-    raise ValueError(f"two grid cells would share the directory name(s) {sorted(dup)}; "
-                     "give the variants distinct labels")
+    name, ls = next(iter(dup.items()))
+    raise config_lib.ConfigError(
+        f"grid cells {' and '.join(map(repr, ls))} would share the directory name {name!r} "
+        "(names keep only letters, digits and _.,=+-); give the variants distinct values")
   return cells
 
 
@@ -176,7 +201,7 @@ def is_done(workdir: str, cell: Cell) -> bool:
     return False
 
 
-def _check_plan(workdir: str, spec: str, cells: Sequence[Cell]) -> None:
+def check_plan(workdir: str, spec: str, cells: Sequence[Cell]) -> None:
   """Merges `cells` into WORKDIR/sweep.json; a cell name already planned differently fails."""
   path = os.path.join(workdir, PLAN)
   new = {c.name: [list(kv) for kv in c.overrides] for c in cells}
@@ -247,12 +272,18 @@ def _write_cell(spec: str, cell: Cell, workdir: str) -> str:
   return d
 
 
-def _launch(spec: str, cell: Cell, workdir: str, env: dict) -> subprocess.Popen:
+def _launch(spec: str, cell: Cell, workdir: str, env: dict) -> tuple[subprocess.Popen, int]:
+  """(the cell's process, the size of its log before it started). The cell runs in a session
+  of its own: signals reach it through the sweep (`_Stop`), not from the terminal."""
   d = _write_cell(spec, cell, workdir)
-  log = open(os.path.join(d, "log.txt"), "a")
-  return subprocess.Popen([sys.executable, "-m", "trm_jax.sweep", "--run-cell", d,
-                           "--parent-pid", str(os.getpid())],
-                          stdout=log, stderr=subprocess.STDOUT, env=env)
+  path = os.path.join(d, "log.txt")
+  at = os.path.getsize(path) if os.path.exists(path) else 0
+  with open(path, "a") as log:
+    proc = subprocess.Popen([sys.executable, "-m", "trm_jax.sweep", "--run-cell", d,
+                             "--parent-pid", str(os.getpid())],
+                            stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+  return proc, at
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -296,48 +327,181 @@ def plan_sweep(spec: str, cells: Sequence[Cell], workdir: str) -> None:
   for cell in cells:
     cell_config(spec, cell.overrides)   # fail fast on a bad key or value
   os.makedirs(workdir, exist_ok=True)
-  _check_plan(workdir, spec, cells)
+  check_plan(workdir, spec, cells)
+
+
+# How long a stopped sweep waits for its cells to checkpoint the step they are in (the
+# trainer finishes it first: a step of a large model takes minutes) before it kills them.
+STOP_TIMEOUT_S = 600.0
+
+
+class _Stop:
+  """SIGTERM / SIGINT to a local sweep (Ctrl-C, `kill`, `docker stop`, a pod's termination).
+
+  Before any cell runs, a signal ends the sweep at once (`Interrupted`: nothing to save). Once
+  cells run, the first signal stops launching cells and is forwarded to every running cell,
+  which finishes its step, checkpoints it and exits (`trm_jax.preemption`); a second one is
+  forwarded too (the cells then exit at once). Cells run in sessions of their own, so a
+  terminal's Ctrl-C reaches them only through the sweep, once. A scheduler that signals every
+  process of a job (SLURM, systemd) reaches them directly as well: a cell whose log shows it
+  heard the signal within `settle_s` is not sent it a second time, which would end it before
+  it saved."""
+
+  def __init__(self, settle_s: float = 1.0):
+    self.signum: Optional[int] = None
+    self.count = 0
+    self.at = 0.0                  # time of the first signal
+    self.running = False           # cells have been launched: forward rather than raise
+    self.settle_s = settle_s
+    self.sent: dict = {}           # cell -> signals forwarded to it
+    self._previous: dict = {}
+
+  def __enter__(self) -> "_Stop":
+    if threading.current_thread() is threading.main_thread():
+      for sig in preemption.SIGNALS:
+        self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for sig, h in self._previous.items():
+      signal.signal(sig, h)
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    name = signal.Signals(signum).name
+    if not self.running:
+      raise Interrupted(f"{name} before any cell started: nothing to save", signum)
+    self.count += 1
+    if self.signum is None:
+      self.signum, self.at = signum, time.time()
+    more = ("forwarding it to the cells, which stop at once" if self.count > 1 else
+            "no more cells start; the running ones finish their step and checkpoint it "
+            "(send it again to stop them at once)")
+    os.write(2, f"\n[sweep] {name} received: {more}\n".encode())
+
+  def forward(self, running: Mapping, workdir: str) -> None:
+    """Sends the running cells the signals they have not had (called by the sweep's loop)."""
+    if self.signum is None or time.time() < self.at + self.settle_s:
+      return
+    for cell, (proc, _, log_at) in running.items():
+      n = self.sent.get(cell, 0)
+      if n == 0 and _heard_signal(workdir, cell, log_at):
+        n = self.sent[cell] = 1          # the scheduler's own copy reached it
+      if n < self.count and proc.poll() is None:
+        proc.send_signal(self.signum)
+        self.sent[cell] = n + 1
+
+
+class Interrupted(Exception):
+  """The sweep was stopped by a signal; `code` is its exit status (128 + signal number)."""
+
+  def __init__(self, message: str, signum: int):
+    super().__init__(message)
+    self.code = preemption.exit_code(signum)
+
+
+def _heard_signal(workdir: str, cell: Cell, offset: int) -> bool:
+  """Whether the cell's log shows a stop request after byte `offset` (where it was when the
+  cell was launched)."""
+  try:
+    with open(os.path.join(cell_dir(workdir, cell), "log.txt"), "rb") as f:
+      f.seek(offset)
+      return preemption.HEARD.encode() in f.read()
+  except OSError:
+    return False
+
+
+def checkpoint_step(workdir: str, cell: Cell) -> Optional[int]:
+  """The newest finalized checkpoint step in the cell's ckpt/ (orbax names a finished step's
+  directory by its number), or None."""
+  try:
+    steps = [int(n) for n in os.listdir(os.path.join(cell_dir(workdir, cell), "ckpt"))
+             if n.isdigit()]
+  except OSError:
+    return None
+  return max(steps) if steps else None
+
+
+def _stopped(workdir: str, cell: Cell, rc: Optional[int]) -> str:
+  """How a cell ended after the sweep's stop request, for the log."""
+  step = checkpoint_step(workdir, cell)
+  at = "no checkpoint yet" if step is None else f"resumes from step {step}"
+  if rc == 0 and is_done(workdir, cell):
+    return "finished"
+  if rc is None:
+    return f"did not checkpoint in time, killed ({at})"
+  if rc in (preemption.exit_code(s) for s in preemption.SIGNALS):
+    return f"stopped ({at})"
+  return f"failed (exit {rc}; {at})"
 
 
 def run_sweep(spec: str, cells: Sequence[Cell], workdir: str, *, parallel: int = 1,
               threads_per_cell: Optional[int] = None, log=print,
-              on_done: Optional[Callable[[Cell, str], None]] = None) -> list[dict]:
+              on_done: Optional[Callable[[Cell, str], None]] = None,
+              stop_timeout_s: float = STOP_TIMEOUT_S) -> list[dict]:
   """Runs every cell not yet done, `parallel` at a time; returns the aggregated rows.
 
   Cells are validated (keys, types, cross-field checks) before anything runs. A failed cell
   is reported in its row (`status=failed`, log in its directory); the others still run.
   `on_done(cell, status)` is called as each launched cell ends ("ok" or "failed (exit N)"),
-  so a grid of hours can copy its finished runs somewhere safe (`archive_runs`) as it goes
-  rather than only at the end, which a lost machine never reaches.
+  so a grid of hours can copy its finished runs somewhere safe (`run_archive.archive_runs`)
+  as it goes rather than only at the end, which a lost machine never reaches.
+
+  SIGTERM / SIGINT (`_Stop`) stop the sweep: running cells checkpoint their step (up to
+  `stop_timeout_s`, then they are killed), and `Interrupted` says what each cell saved; the
+  same command resumes them.
   """
   if parallel < 1:
-    raise ValueError(f"parallel={parallel}; must be >= 1")
-  plan_sweep(spec, cells, workdir)
-  todo = [c for c in cells if not is_done(workdir, c)]
-  log(f"[sweep] {len(cells)} cells, {len(cells) - len(todo)} done, {len(todo)} to run, "
-      f"{parallel} at a time")
-  if todo:
-    _ensure_base_models(spec, todo)
-  env = _env(workdir, threads_per_cell if parallel > 1 else None)
-  running: dict = {}
-  t0 = time.time()
-  while todo or running:
-    while todo and len(running) < parallel:
-      cell = todo.pop(0)
-      running[cell] = (_launch(spec, cell, workdir, env), time.time())
-    time.sleep(0.5)
-    for cell, (proc, started) in list(running.items()):
-      rc = proc.poll()
-      if rc is None:
-        continue
-      del running[cell]
-      status = "ok" if rc == 0 and is_done(workdir, cell) else f"failed (exit {rc})"
-      log(f"[sweep] {cell.name}: {status} in {time.time() - started:.0f}s "
-          f"(sweep {time.time() - t0:.0f}s)")
-      if on_done is not None:
-        on_done(cell, status)
-  rows = aggregate(workdir)
-  return rows
+    raise config_lib.ConfigError(f"--parallel {parallel}: must be >= 1")
+  with _Stop() as stop:
+    plan_sweep(spec, cells, workdir)
+    todo = [c for c in cells if not is_done(workdir, c)]
+    log(f"[sweep] {len(cells)} cells, {len(cells) - len(todo)} done, {len(todo)} to run, "
+        f"{parallel} at a time")
+    if todo:
+      _ensure_base_models(spec, todo)
+    env = _env(workdir, threads_per_cell if parallel > 1 else None)
+    running: dict = {}   # cell -> (process, start time, its log's size at launch)
+    ended: dict = {}     # cell -> how it ended after the stop request
+    t0 = time.time()
+    stop.running = True
+    while (todo and stop.signum is None) or running:
+      while todo and len(running) < parallel and stop.signum is None:
+        cell = todo.pop(0)
+        proc, log_at = _launch(spec, cell, workdir, env)
+        running[cell] = (proc, time.time(), log_at)
+      time.sleep(0.5)
+      stop.forward(running, workdir)
+      late = stop.signum is not None and time.time() > stop.at + stop_timeout_s
+      for cell, (proc, started, _) in list(running.items()):
+        rc, killed = proc.poll(), False
+        if rc is None:
+          if not late:
+            continue
+          proc.kill()
+          proc.wait()
+          killed = True
+        del running[cell]
+        status = "ok" if rc == 0 and is_done(workdir, cell) else f"failed (exit {rc})"
+        if stop.signum is None:
+          log(f"[sweep] {cell.name}: {status} in {time.time() - started:.0f}s "
+              f"(sweep {time.time() - t0:.0f}s)")
+        else:
+          ended[cell] = _stopped(workdir, cell, None if killed else rc)
+          log(f"[sweep] {cell.name}: {ended[cell]}")
+        if on_done is not None and (stop.signum is None or status == "ok"):
+          on_done(cell, status)
+  if stop.signum is not None:
+    name = signal.Signals(stop.signum).name
+    said = "; ".join(f"{c.name} {ended[c]}" for c in cells if c in ended) or (
+        "no cell was running")
+    lost = [c.name for c in cells if ended.get(c, "").startswith("did not")]
+    raise Interrupted(
+        f"[sweep] stopped by {name}: {said}" + (f"; {len(todo)} cells not started" if todo
+                                                else "")
+        + (f". Not saved within {stop_timeout_s:.0f}s: {', '.join(lost)}" if lost else "")
+        + ". Rerun the same command to resume", stop.signum)
+  return aggregate(workdir)
 
 
 # --- The SLURM backend ---------------------------------------------------------------------
@@ -463,67 +627,6 @@ def _run_cell(d: str, parent_pid: Optional[int]) -> int:
   return 0
 
 
-# --- Moving finished runs between workdirs ------------------------------------------------------
-#
-# A grid that outlives one machine (a session's scratch disk, a cluster's job, a laptop that
-# plots the results) needs its finished runs without their checkpoints: a cell's summary.json
-# and metrics.jsonl are everything aggregation and the experiments' reports read.
-
-
-def archive_runs(workdir: str, path: str) -> list[str]:
-  """Writes the finished cells of WORKDIR's plan to `path`: gzip, one JSON line per cell with
-  its name, overrides, summary.json and metrics.jsonl (verbatim), written atomically; returns
-  the cell names. Checkpoints are left out: a restored cell is done, not resumable."""
-  import gzip  # pylint: disable=g-import-not-at-top
-  _, cells = load_plan(workdir)
-  done = [c for c in cells if is_done(workdir, c)]
-  tmp = path + ".tmp"
-  # mtime 0: the same runs give the same bytes, so a re-archive does not show as a change.
-  with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
-    for c in done:
-      d = cell_dir(workdir, c)
-      with open(os.path.join(d, "summary.json")) as g:
-        summ = json.load(g)
-      with open(os.path.join(d, "metrics.jsonl")) as g:
-        metrics = g.read()
-      f.write((json.dumps({"cell": c.name, "overrides": [list(kv) for kv in c.overrides],
-                           "summary": summ, "metrics": metrics}) + "\n").encode())
-  os.replace(tmp, path)
-  return [c.name for c in done]
-
-
-def restore_runs(path: str, workdir: str, spec: str) -> list[str]:
-  """Unpacks `archive_runs`' file into WORKDIR: each archived cell not done there gets its
-  directory (metrics.jsonl, then summary.json, which marks it done) and joins the plan under
-  `spec`; returns the names restored. A cell planned there with other overrides fails, as a
-  sweep would; a damaged archive names the file and line."""
-  import gzip  # pylint: disable=g-import-not-at-top
-  entries = []
-  try:
-    with gzip.open(path, "rt") as f:
-      for i, line in enumerate(f, 1):
-        try:
-          e = json.loads(line)
-          entries.append((Cell(e["cell"], tuple(tuple(kv) for kv in e["overrides"])),
-                          e["summary"], e["metrics"]))
-        except (ValueError, KeyError, TypeError) as err:
-          raise config_lib.ConfigError(f"{path} line {i}: not an archived run ({err})") from err
-  except (OSError, EOFError) as err:
-    raise config_lib.ConfigError(f"{path}: cannot read the run archive ({err})") from err
-  os.makedirs(workdir, exist_ok=True)
-  _check_plan(workdir, spec, [c for c, _, _ in entries])
-  restored = []
-  for cell, summ, metrics in entries:
-    if is_done(workdir, cell):
-      continue
-    d = cell_dir(workdir, cell)
-    os.makedirs(d, exist_ok=True)
-    wd.write_text_atomic(os.path.join(d, "metrics.jsonl"), metrics)
-    wd.write_json_atomic(os.path.join(d, "summary.json"), summ)
-    restored.append(cell.name)
-  return restored
-
-
 # --- Aggregation -------------------------------------------------------------------------------
 
 def span_seconds(workdir: str, cells: Optional[Sequence[Cell]] = None) -> float:
@@ -613,13 +716,11 @@ def aggregate(workdir: str, out_csv: Optional[str] = None,
   cols = []
   for r in rows:
     cols += [k for k in r if k not in cols]
-  out_csv = out_csv or os.path.join(workdir, RESULTS)
-  tmp = out_csv + ".tmp"
-  with open(tmp, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=cols)
-    w.writeheader()
-    w.writerows(rows)
-  os.replace(tmp, out_csv)
+  text = io.StringIO(newline="")
+  w = csv.DictWriter(text, fieldnames=cols)
+  w.writeheader()
+  w.writerows(rows)
+  wd.write_text_atomic(out_csv or os.path.join(workdir, RESULTS), text.getvalue())
   return rows
 
 
@@ -683,6 +784,17 @@ def plot_grouped(workdir: str, keys: Sequence[str], out_png: str, *,
 
 # --- CLI ---------------------------------------------------------------------------------------
 
+def _at_least_one(text: str) -> int:
+  """argparse type of the counts (--parallel, --processes, --threads-per-cell)."""
+  try:
+    n = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+  return n
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   p = argparse.ArgumentParser(prog="python -m trm_jax.sweep", description=__doc__.split("\n")[0])
   p.add_argument("--config", help="experiment config: a file (path[:arg]) or a shipped name")
@@ -691,9 +803,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  help="one grid axis; repeat for a product")
   p.add_argument("--set", action="append", default=[], metavar="KEY=V",
                  help="an override applied to every cell")
-  p.add_argument("--parallel", type=int, default=1, help="cells run at once")
-  p.add_argument("--threads-per-cell", type=int, default=None,
+  p.add_argument("--parallel", type=_at_least_one, default=1, help="cells run at once")
+  p.add_argument("--threads-per-cell", type=_at_least_one, default=None,
                  help="XLA CPU threads per cell when --parallel > 1")
+  p.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S, metavar="SECONDS",
+                 help="on SIGTERM / SIGINT, how long the running cells may take to checkpoint "
+                      "their step before they are killed")
   p.add_argument("--aggregate", action="store_true", help="only rewrite results.csv + plots")
   p.add_argument("--archive", metavar="PATH",
                  help="write the finished runs (summaries and metrics, no checkpoints) to PATH "
@@ -701,9 +816,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--restore", metavar="PATH",
                  help="with --config: add the runs of an --archive file to --workdir as done "
                       "cells, then exit")
+  p.add_argument("--allow_config_change", "--allow-config-change", action="store_true",
+                 help="--restore: accept runs made under other settings than --config")
   p.add_argument("--backend", choices=("local", "slurm"), default="local",
                  help="local: cells as processes here; slurm: one job array (sbatch)")
-  p.add_argument("--processes", type=int, default=1,
+  p.add_argument("--processes", type=_at_least_one, default=1,
                  help="slurm: processes (srun tasks) per cell, one multi-process trainer each")
   p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                  help="slurm: passed to sbatch as it is, e.g. --sbatch-arg=--partition=gpu")
@@ -720,13 +837,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.error("--workdir is required")
   try:
     if a.archive:
-      names = archive_runs(a.workdir, a.archive)
+      from trm_jax import run_archive  # pylint: disable=g-import-not-at-top
+      names = run_archive.archive_runs(a.workdir, a.archive)
       print(f"[sweep] archived {len(names)} finished runs to {a.archive}")
       return 0
     if a.restore:
       if not a.config:
         p.error("--restore needs --config (the plan the runs join)")
-      names = restore_runs(a.restore, a.workdir, a.config)
+      from trm_jax import run_archive  # pylint: disable=g-import-not-at-top
+      names = run_archive.restore_runs(a.restore, a.workdir, a.config,
+                                       allow_config_change=a.allow_config_change)
       print(f"[sweep] restored {len(names)} runs into {a.workdir}")
       return 0
     if not a.aggregate:
@@ -751,11 +871,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         else:
           run_sweep(a.config, cells, a.workdir, parallel=a.parallel,
-                    threads_per_cell=a.threads_per_cell)
+                    threads_per_cell=a.threads_per_cell, stop_timeout_s=a.stop_timeout)
     rows = aggregate(a.workdir)
   except (config_lib.ConfigError, wd.WorkdirError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except Interrupted as e:
+    print(f"{e} (exit code {e.code})", file=sys.stderr)
+    return e.code
+  except KeyboardInterrupt:   # outside the cells' loop: nothing running, nothing to save
+    print("[sweep] interrupted by SIGINT (no cell was running)", file=sys.stderr)
+    return preemption.exit_code(signal.SIGINT)
   plot_grouped(a.workdir, a.plot.split(","), os.path.join(a.workdir, "curves.png"))
   bad = [r["cell"] for r in rows if r["status"] != "ok"]
   print(f"[sweep] wrote {os.path.join(a.workdir, RESULTS)} ({len(rows)} rows)"

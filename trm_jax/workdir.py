@@ -162,9 +162,14 @@ def write_text_atomic(path: str, text: str) -> None:
   """Writes `text` to `path` through a temporary file and a rename: a reader (or a crash)
   sees the old file or the new one, never half of one."""
   tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:   # a full disk, an interrupt: no temporary file left behind
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
