@@ -114,6 +114,88 @@ def test_tokenizer_past_the_vocabulary(gsm8k, tmp_path):
       "vocab_size is 16: ids must be < 16; the tokenizer does not belong to this model")
 
 
+def _edit_json(name, **changes):
+  def edit(path):
+    file = os.path.join(path, name)
+    with open(file) as f:
+      d = json.load(f)
+    d.update(changes)
+    with open(file, "w") as f:
+      json.dump(d, f)
+  return edit
+
+
+def _write(name, text):
+  def edit(path):
+    with open(os.path.join(path, name), "w") as f:
+      f.write(text)
+  return edit
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_edit_json("config.json", model_type="gpt2"),
+     "{path}/config.json: unsupported model_type 'gpt2'; supported: qwen3, qwen2, llama, "
+     "qwen3_moe"),
+    (_edit_json("config.json", hidden_size="big"),
+     "{path}/config.json: hidden_size must be an integer, got 'big'"),
+    (_edit_json("config.json", num_hidden_layers=100000),   # the build was quadratic in it
+     "{path}/config.json: num_hidden_layers=100000 is outside [1, 1024] (SIZE_LIMITS: far "
+     "above any released checkpoint's)"),
+    (_edit_json("config.json", vocab_size=1 << 30),
+     "{path}/config.json: vocab_size=1073741824 is outside [1, 1048576] (SIZE_LIMITS: far "
+     "above any released checkpoint's)"),
+    (_edit_json("config.json", rope_parameters="fast"),
+     "{path}/config.json: rope_parameters must be an object or null, got 'fast'"),
+    (_edit_json("config.json", rope_parameters={"rope_type": "default", "rope_theta": "1e6"}),
+     "{path}/config.json: rope_theta must be a number, got '1e6'"),
+    (lambda path: os.remove(os.path.join(path, WEIGHTS)),
+     "{path}: no weights (neither model.safetensors nor model.safetensors.index.json)"),
+    (_write("tokenizer.json", '{"version": "1.0", "model": '),
+     "{path}/tokenizer.json: not a readable tokenizer (EOF while parsing a value at line 1 "
+     "column 28)"),
+    (_write("tokenizer.json", "{}"),
+     "{path}/tokenizer.json: not a readable tokenizer (Model missing. at line 1 column 2)"),
+    (_write("tokenizer_config.json", "{bad"),
+     "{path}/tokenizer_config.json: not valid JSON (line 1 column 2: Expecting property name "
+     "enclosed in double quotes)"),
+    (_write("tokenizer_config.json", "[]"),
+     "{path}/tokenizer_config.json: expected a JSON object, got list"),
+    (lambda path: os.remove(os.path.join(path, "tokenizer.json")),
+     "{path}: no tokenizer (neither tokenizer.json nor tokenizer.model)"),
+], ids=["model_type", "hidden_size_type", "layers_bound", "vocab_bound", "rope_type",
+        "rope_theta", "no_weights", "tokenizer_truncated", "tokenizer_empty",
+        "tokenizer_config", "tokenizer_config_list", "no_tokenizer"])
+def test_a_broken_model_directory_is_one_line(checkpoint, gsm8k, tmp_path, edit, message):
+  """Each once a raw traceback (a 100000-layer config.json hung the trainer building its
+  abstract model); now refused while loading, before anything is built, naming the file."""
+  path = _copy(checkpoint, str(tmp_path / "m"))
+  edit(path)
+  with pytest.raises(train.USER_ERRORS) as e:
+    train.run(_config(path, gsm8k), str(tmp_path / "w"), progress=False)
+  assert str(e.value) == message.format(path=path)
+
+
+def test_an_empty_saved_dataset_and_a_misspelt_attn_impl_are_one_line(checkpoint, gsm8k,
+                                                                     tmp_path):
+  """An empty save_to_disk dataset raised IndexError from inside `datasets`; a misspelt
+  attention impl passed validation and failed at step 1 (in a sweep: in every cell, late)."""
+  import datasets  # pylint: disable=g-import-not-at-top
+  data = str(tmp_path / "empty")
+  datasets.Dataset.from_dict({"question": [], "answer": []}).save_to_disk(data)
+  with pytest.raises(train.USER_ERRORS) as e:
+    train.run(_config(checkpoint, data), str(tmp_path / "w"), progress=False)
+  assert str(e.value) == (f"dataset {data}: no rows (save_to_disk wrote no data for the "
+                          "dataset; `datasets` cannot load such a directory)")
+  c = _config(checkpoint, gsm8k)
+  c.model.attn_impl = "flash"
+  with pytest.raises(train.USER_ERRORS) as e:
+    train.run(c, str(tmp_path / "w2"), progress=False)
+  assert str(e.value) == ("bad config value [model.attn_impl]: unknown value 'flash'; "
+                          "expected one of auto, reference, pallas, pallas_interpret, "
+                          "pallas_tpu, pallas_tpu_interpret")
+  assert not os.path.exists(tmp_path / "w2")
+
+
 @pytest.mark.parametrize("content,where", [
     ("", "{data}: no rows (the file is empty)"),
     ('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "answer": \n',

@@ -198,7 +198,7 @@ def test_no_weights_file_is_named(tmp_path):
   d = str(tmp_path / "empty")
   os.makedirs(d)
   json.dump(make_test_model().config.to_hf(), open(os.path.join(d, "config.json"), "w"))
-  with pytest.raises(FileNotFoundError, match="model.safetensors"):
+  with pytest.raises(CheckpointFileError, match=f"{d}: no weights .neither model.safetensors"):
     from_pretrained(d)
 
 

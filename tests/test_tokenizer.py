@@ -12,8 +12,8 @@ import sentencepiece as spm
 from tokenizers import Tokenizer as HFTok
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from trm_jax.data.tokenizer import (TokenizerMismatchError, check_tokenizer_fits,
-                                    load_tokenizer, pad_sequences)
+from trm_jax.data.tokenizer import (TokenizerFileError, TokenizerMismatchError,
+                                    check_tokenizer_fits, load_tokenizer, pad_sequences)
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -229,7 +229,7 @@ def test_encode_batch_padding(hf_dir):
 def test_bad_checkpoints(hf_dir, tmp_path):
   d = tmp_path / "bad"
   d.mkdir()
-  with pytest.raises(FileNotFoundError, match="neither tokenizer.json nor tokenizer.model"):
+  with pytest.raises(TokenizerFileError, match="neither tokenizer.json nor tokenizer.model"):
     load_tokenizer(str(d))
   (d / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
   with pytest.raises(ValueError, match="no eos token"):

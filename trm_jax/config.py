@@ -286,6 +286,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   a bad cell up front instead of failing minutes into that cell's run.
   """
   # pylint: disable=g-import-not-at-top  (jax-heavy modules; the config module stays light)
+  from trm_jax.kernels.attention import IMPLS
   from trm_jax.rl.advantages import BASELINES
   from trm_jax.rl.modes import MODES
   from trm_jax.rl.objectives import LOSS_AGG_MODES, OBJECTIVES
@@ -314,6 +315,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _one_of(c, "smd.mode", MODES)
   _one_of(c, "model.dtype", DTYPES)
   _one_of(c, "rollout.dtype", DTYPES)
+  _one_of(c, "model.attn_impl", IMPLS)
   cc = c.rollout.cache
   if cc.policy != DENSE:
     _require((cc.ratio > 0) != (cc.capacity > 0),
@@ -439,8 +441,10 @@ def _known_model_limits(c: ml_collections.ConfigDict) -> dict:
     with open(os.path.join(os.path.expanduser(c.model.path), "config.json")) as f:
       hf = json.load(f)
     hf = hf if isinstance(hf, dict) else {}
-    return {"max_positions": hf.get("max_position_embeddings"),
-            "vocab_size": hf.get("vocab_size")}
+    # Sizes of another type are the loader's to report (it names the file and the key).
+    size = lambda v: v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+    return {"max_positions": size(hf.get("max_position_embeddings")),
+            "vocab_size": size(hf.get("vocab_size"))}
   except (OSError, ValueError):
     return {"max_positions": None, "vocab_size": None}
 

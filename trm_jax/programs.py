@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from trm_jax import sharding as shd
 from trm_jax.config import ConfigError
 from trm_jax.models.config import DTYPES
+from trm_jax.models.decoder import abstract_model as _abstract_decoder
 from trm_jax.rl import modes, objectives, optim
 from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
 from trm_jax.rollout import BatchingConfig, CacheConfig, sampler_graphdef, sampling_config
@@ -220,7 +221,7 @@ def abstract(tree, shardings=None):
 def abstract_model(model_cls, model_config, mesh: jax.sharding.Mesh) -> nnx.Module:
   """The model with every variable a ShapeDtypeStruct sharded by its logical axes on `mesh`
   (as `hf_io.from_pretrained` places real weights): nothing is allocated."""
-  model = nnx.eval_shape(lambda: model_cls(model_config, rngs=nnx.Rngs(0)))
+  model = _abstract_decoder(model_cls, model_config)
   state = nnx.state(model)
   nnx.update(model, jax.tree.map(
       lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh), state,

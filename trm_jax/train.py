@@ -69,7 +69,8 @@ from trm_jax.checkpoint import Checkpointer, CheckpointSaveError, CheckpointStru
 from trm_jax.data import fingerprint
 from trm_jax.data.loaders import DataFileError
 from trm_jax.data.task import Task
-from trm_jax.data.tokenizer import TokenizerMismatchError, check_tokenizer_fits, load_tokenizer
+from trm_jax.data.tokenizer import (TokenizerFileError, TokenizerMismatchError,
+                                    check_tokenizer_fits, load_tokenizer)
 from trm_jax.metrics import (DEFAULT_SUMMARY_KEYS, MetricsLogger, format_summary, plot_curves,
                              summarize)
 from trm_jax.models import from_pretrained, save_pretrained
@@ -143,7 +144,8 @@ class TrainingStalledError(RuntimeError):
 # Errors whose message is the whole story for the user: the CLI prints one line, no traceback.
 USER_ERRORS = (config_lib.ConfigError, wd.WorkdirError, TrainingStalledError,
                CheckpointSaveError, CheckpointMismatchError, CheckpointFileError,
-               TokenizerMismatchError, DataFileError, step_lib.OutOfMemoryError)
+               TokenizerMismatchError, TokenizerFileError, DataFileError,
+               step_lib.OutOfMemoryError)
 
 
 def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,

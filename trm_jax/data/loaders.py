@@ -153,6 +153,10 @@ def _read_dataset(path: str, kind: str, split: str, subset: str) -> list[Row]:
       if subset:
         raise DataFileError(f"{label}: a save_to_disk directory has no subsets; leave the "
                             "subset empty")
+      empty = _empty_saved_splits(path)
+      if empty:
+        raise DataFileError(f"{label}: no rows (save_to_disk wrote no data for "
+                            f"{', '.join(empty)}; `datasets` cannot load such a directory)")
       ds = datasets.load_from_disk(path)
     else:
       ds = datasets.load_dataset(path, subset or None, split=split or None)
@@ -185,6 +189,26 @@ def _read_dataset(path: str, kind: str, split: str, subset: str) -> list[Row]:
   name = "/".join(x for x in (os.path.basename(os.path.normpath(path)), subset, split) if x)
   return [Row(fields=v, source=label, name=name, index=i, where=f"{label}, row {i + 1}")
           for i, v in enumerate(values)]
+
+
+def _empty_saved_splits(path: str) -> list[str]:
+  """The parts of a `save_to_disk` directory saved with no rows ("the dataset", or "split
+  'x'"): their state.json lists no data files, and `load_from_disk` fails inside `datasets`
+  (an IndexError) on the whole directory."""
+  def empty(d: str) -> bool:
+    try:
+      with open(os.path.join(d, "state.json")) as f:
+        return json.load(f).get("_data_files") == []
+    except (OSError, ValueError, AttributeError):
+      return False   # not ours to judge: load_from_disk reports it
+  if os.path.isfile(os.path.join(path, "state.json")):
+    return ["the dataset"] if empty(path) else []
+  try:
+    with open(os.path.join(path, "dataset_dict.json")) as f:
+      splits = json.load(f).get("splits", [])
+  except (OSError, ValueError, AttributeError):
+    return []
+  return [f"split {s!r}" for s in splits if isinstance(s, str) and empty(os.path.join(path, s))]
 
 
 def read_rows(paths: str | Sequence[str], *, split: str = "", subset: str = "") -> list[Row]:

@@ -72,22 +72,36 @@ def _token_content(value: Any) -> Optional[str]:
   return str(value)
 
 
+class TokenizerFileError(ValueError):
+  """A tokenizer is missing, or one of its files is unreadable or inconsistent; the message
+  names the file (and the key)."""
+
+
 def _read_json(path: str) -> dict:
+  """A JSON object from `path` ({} when there is no such file), or one line naming it."""
   if not os.path.exists(path):
     return {}
-  with open(path, encoding="utf-8") as f:
-    try:
-      return json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{path}: not valid JSON ({e})") from e
+  try:
+    with open(path, encoding="utf-8") as f:
+      out = json.load(f)
+  except json.JSONDecodeError as e:
+    raise TokenizerFileError(f"{path}: not valid JSON (line {e.lineno} column {e.colno}: "
+                             f"{e.msg})") from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise TokenizerFileError(f"{path}: cannot be read ({e})") from None
+  if not isinstance(out, dict):
+    raise TokenizerFileError(f"{path}: expected a JSON object, got {type(out).__name__}")
+  return out
 
 
-def _as_id_list(value: Any) -> list[int]:
+def _as_id_list(value: Any, where: str) -> list[int]:
+  """A token id or list of them (generation_config.json's `where`) as a list."""
   if value is None:
     return []
-  if isinstance(value, (list, tuple)):
-    return [int(v) for v in value]
-  return [int(value)]
+  ids = list(value) if isinstance(value, (list, tuple)) else [value]
+  if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+    raise TokenizerFileError(f"{where} must be a token id or a list of them, got {value!r}")
+  return ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,7 +115,10 @@ class _HFBackend:
   def __init__(self, file: str):
     import tokenizers  # pylint: disable=g-import-not-at-top
     self.file = file
-    self.tok = tokenizers.Tokenizer.from_file(file)
+    try:
+      self.tok = tokenizers.Tokenizer.from_file(file)
+    except Exception as e:  # pylint: disable=broad-except  (the library raises bare Exception)
+      raise TokenizerFileError(f"{file}: not a readable tokenizer ({e})") from None
     self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
 
   def max_id(self) -> int:
@@ -133,7 +150,10 @@ class _SPBackend:
   def __init__(self, file: str, add_bos: bool, add_eos: bool):
     import sentencepiece as spm  # pylint: disable=g-import-not-at-top
     self.file = file
-    self.sp = spm.SentencePieceProcessor(model_file=file)
+    try:
+      self.sp = spm.SentencePieceProcessor(model_file=file)
+    except (OSError, RuntimeError) as e:
+      raise TokenizerFileError(f"{file}: not a readable sentencepiece model ({e})") from None
     self.n_pieces = self.sp.get_piece_size()
     self.add_bos, self.add_eos = add_bos, add_eos
     self.special: dict[str, int] = {}   # special string -> id
@@ -400,11 +420,11 @@ def _tokenizer_file(path: str) -> tuple[str, str]:
   if os.path.isfile(path):
     return os.path.dirname(path) or ".", os.path.basename(path)
   if not os.path.isdir(path):
-    raise FileNotFoundError(f"tokenizer path {path} does not exist")
+    raise TokenizerFileError(f"tokenizer path {path} does not exist")
   for candidate in ("tokenizer.json", "tokenizer.model"):
     if os.path.exists(os.path.join(path, candidate)):
       return path, candidate
-  raise FileNotFoundError(f"{path} holds neither tokenizer.json nor tokenizer.model")
+  raise TokenizerFileError(f"{path}: no tokenizer (neither tokenizer.json nor tokenizer.model)")
 
 
 def _backend(file: str, config: dict):
@@ -433,8 +453,8 @@ def _special_ids(backend, special_tokens: dict, gen_config: dict, directory: str
       return None
     idx = backend.token_to_id(content)
     if idx is None:
-      raise ValueError(f"{directory}: {name} {content!r} (tokenizer_config.json) is not in the "
-                       f"vocabulary of {fname}")
+      raise TokenizerFileError(f"{directory}: {name} {content!r} (tokenizer_config.json) is "
+                               f"not in the vocabulary of {fname}")
     return idx
 
   def sp_id(attr: str) -> Optional[int]:
@@ -443,23 +463,25 @@ def _special_ids(backend, special_tokens: dict, gen_config: dict, directory: str
       return idx if idx >= 0 else None
     return None
 
-  gen_eos = _as_id_list(gen_config.get("eos_token_id"))
+  gen = os.path.join(directory, "generation_config.json")
+  gen_eos = _as_id_list(gen_config.get("eos_token_id"), f"{gen}: eos_token_id")
   eos_id = named_id("eos_token")
   if eos_id is None:
     eos_id = gen_eos[0] if gen_eos else sp_id("eos_id")
   if eos_id is None:
-    raise ValueError(f"{directory}: no eos token (looked at tokenizer_config.json eos_token, "
-                     f"generation_config.json eos_token_id and the {fname} model)")
+    raise TokenizerFileError(f"{directory}: no eos token (looked at tokenizer_config.json "
+                             f"eos_token, generation_config.json eos_token_id and the {fname} "
+                             "model)")
   stop_ids = tuple(dict.fromkeys([eos_id, *gen_eos]))
 
   bos_id = named_id("bos_token")
   if bos_id is None:
-    gen_bos = _as_id_list(gen_config.get("bos_token_id"))
+    gen_bos = _as_id_list(gen_config.get("bos_token_id"), f"{gen}: bos_token_id")
     bos_id = gen_bos[0] if gen_bos else sp_id("bos_id")
 
   pad_id = named_id("pad_token")
   if pad_id is None:
-    gen_pad = _as_id_list(gen_config.get("pad_token_id"))
+    gen_pad = _as_id_list(gen_config.get("pad_token_id"), f"{gen}: pad_token_id")
     pad_id = gen_pad[0] if gen_pad else sp_id("pad_id")
   if pad_id is None:
     pad_id = eos_id
@@ -467,8 +489,8 @@ def _special_ids(backend, special_tokens: dict, gen_config: dict, directory: str
   for name, idx in (("eos", eos_id), ("bos", bos_id), ("pad", pad_id), *(
       (f"generation_config eos_token_id {i}", i) for i in gen_eos)):
     if idx is not None and not 0 <= idx < backend.vocab_size:
-      raise ValueError(f"{directory}: {name} id {idx} is outside the vocabulary "
-                       f"[0, {backend.vocab_size})")
+      raise TokenizerFileError(f"{directory}: {name} id {idx} is outside the vocabulary "
+                               f"[0, {backend.vocab_size})")
   return bos_id, eos_id, pad_id, stop_ids
 
 

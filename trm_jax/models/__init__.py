@@ -7,11 +7,11 @@
   save_pretrained(model, out_dir)              # config.json + safetensors for transformers
 """
 from trm_jax.models.config import FAMILIES, SUPPORTED_MODEL_TYPES, Family, ModelConfig
-from trm_jax.models.decoder import Decoder, default_positions
+from trm_jax.models.decoder import Decoder, abstract_model, default_positions
 from trm_jax.models.hf_io import from_pretrained, save_pretrained
 from trm_jax.models.kv_cache import CachePolicy, KVCache
 from trm_jax.models.protocol import CausalLM
 
 __all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "CachePolicy", "CausalLM", "Decoder", "Family",
            "KVCache", "ModelConfig",
-           "default_positions", "from_pretrained", "save_pretrained"]
+           "abstract_model", "default_positions", "from_pretrained", "save_pretrained"]

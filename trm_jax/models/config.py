@@ -47,6 +47,15 @@ SUPPORTED_MODEL_TYPES = tuple(FAMILIES)   # the shipped families (checks read FA
 # model.dtype and rollout.dtype take the subset trm_jax.config.DTYPES of these names).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 TokenIds = Union[None, int, Tuple[int, ...]]
+# config.json sizes past these are refused before any model is built, naming the key: a typo
+# such as 100000 layers would otherwise build for hours and then exhaust memory. Each is far
+# above every released checkpoint (at most 126 layers, width 16384, MLP width 53248,
+# vocabulary 262144, 128 heads, head_dim 256, 384 experts).
+SIZE_LIMITS = {"num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 262144,
+               "moe_intermediate_size": 262144, "vocab_size": 1 << 20,
+               "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 1024,
+               "num_experts": 4096, "num_local_experts": 4096, "num_experts_per_tok": 4096,
+               "decoder_sparse_step": 1024}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -151,28 +160,38 @@ class ModelConfig:
   @classmethod
   def from_hf(cls, hf: Mapping[str, Any], *, dtype: Any = jnp.float32,
               param_dtype: Optional[Any] = None, remat: bool = False) -> "ModelConfig":
-    """Parses a transformers `config.json` dict; raises naming any unsupported key."""
+    """Parses a transformers `config.json` dict; raises a ValueError naming the key of any
+    unsupported, mistyped or out-of-bounds value (`SIZE_LIMITS`), before anything is built."""
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
-      raise ValueError(f"unsupported model_type {model_type!r} in config.json; supported: "
+      raise ValueError(f"unsupported model_type {model_type!r}; supported: "
                        f"{', '.join(FAMILIES)}")
 
-    def req(key):
-      if key not in hf or hf[key] is None:
-        raise ValueError(f"config.json ({model_type}) lacks required key {key!r}")
-      return hf[key]
+    def size(key, default=None, *, alias=None):
+      """An integer in [1, SIZE_LIMITS[key]]; `default` when the key is absent or null (no
+      default: required)."""
+      value = hf.get(key)
+      if value is None and alias is not None:
+        key, value = alias, hf.get(alias)
+      if value is None:
+        if default is None:
+          raise ValueError(f"lacks required key {key!r} ({model_type})")
+        return default
+      return _bounded_int(key, value)
 
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-      raise ValueError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
+      raise ValueError(f"hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
     if hf.get("use_sliding_window"):
-      raise ValueError("config.json use_sliding_window=true: sliding-window attention is not "
-                       "supported")
+      raise ValueError("use_sliding_window=true: sliding-window attention is not supported")
     if hf.get("mlp_bias"):
-      raise ValueError("config.json mlp_bias=true: MLP biases are not supported")
-    num_heads = int(req("num_attention_heads"))
-    hidden = int(req("hidden_size"))
-    head_dim = hf.get("head_dim") or hidden // num_heads
+      raise ValueError("mlp_bias=true: MLP biases are not supported")
+    num_heads = size("num_attention_heads")
+    hidden = size("hidden_size")
+    head_dim = size("head_dim", 0) or hidden // num_heads
+    if head_dim < 1:
+      raise ValueError(f"hidden_size={hidden} < num_attention_heads={num_heads} and no "
+                       "head_dim: the heads would be empty")
     fam = FAMILIES[model_type]
     attention_bias = bool(hf.get("attention_bias") or False)
     qkv_bias = True if fam.fixed_bias else attention_bias
@@ -181,33 +200,35 @@ class ModelConfig:
     rope = _parse_rope(hf)
     moe = {}
     if fam.moe:
-      num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-      if num_experts is None:
-        raise ValueError(f"config.json ({model_type}) lacks 'num_experts' / "
-                         "'num_local_experts'")
-      moe = dict(num_experts=int(num_experts),
-                 num_experts_per_tok=int(req("num_experts_per_tok")),
-                 moe_intermediate_size=int(req("moe_intermediate_size")),
+      if hf.get("num_experts", hf.get("num_local_experts")) is None:
+        raise ValueError(f"lacks 'num_experts' / 'num_local_experts' ({model_type})")
+      mlp_only = hf.get("mlp_only_layers") or ()
+      if not (isinstance(mlp_only, (list, tuple)) and all(
+          isinstance(l, int) and not isinstance(l, bool) for l in mlp_only)):
+        raise ValueError(f"mlp_only_layers must be a list of layer indices, got {mlp_only!r}")
+      moe = dict(num_experts=size("num_experts", alias="num_local_experts"),
+                 num_experts_per_tok=size("num_experts_per_tok"),
+                 moe_intermediate_size=size("moe_intermediate_size"),
                  norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                 decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-                 mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
+                 decoder_sparse_step=size("decoder_sparse_step", 1),
+                 mlp_only_layers=tuple(mlp_only))
     return cls(
         model_type=model_type,
-        vocab_size=int(req("vocab_size")),
+        vocab_size=size("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(req("intermediate_size")),
-        num_layers=int(req("num_hidden_layers")),
+        intermediate_size=size("intermediate_size"),
+        num_layers=size("num_hidden_layers"),
         num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=size("num_key_value_heads", num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=_number(hf, "rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=o_bias,
         qk_norm=fam.qk_norm,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        bos_token_id=_token_ids(hf.get("bos_token_id")),
-        eos_token_id=_token_ids(hf.get("eos_token_id")),
-        pad_token_id=_token_ids(hf.get("pad_token_id")),
+        max_position_embeddings=size("max_position_embeddings", 32768),
+        bos_token_id=_token_ids(hf, "bos_token_id"),
+        eos_token_id=_token_ids(hf, "eos_token_id"),
+        pad_token_id=_token_ids(hf, "pad_token_id"),
         dtype=dtype_name(dtype),
         param_dtype=dtype_name(dtype if param_dtype is None else param_dtype),
         remat=remat, **rope, **moe)
@@ -258,31 +279,61 @@ class ModelConfig:
 
 def _parse_rope(hf: Mapping[str, Any]) -> dict:
   """RoPE fields from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
-  params = dict(hf.get("rope_scaling") or {})
-  params.update(hf.get("rope_parameters") or {})
-  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+  params = {}
+  for key in ("rope_scaling", "rope_parameters"):
+    value = hf.get(key) or {}
+    if not isinstance(value, Mapping):
+      raise ValueError(f"{key} must be an object or null, got {value!r}")
+    params.update(value)
+  theta = _number(params, "rope_theta", _number(hf, "rope_theta", 10000.0))
   rope_type = params.get("rope_type", params.get("type", "default"))
-  if params.get("partial_rotary_factor", 1.0) != 1.0:
-    raise ValueError("config.json partial_rotary_factor != 1 is not supported")
-  out = dict(rope_theta=float(theta), rope_type=rope_type)
+  if _number(params, "partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError("partial_rotary_factor != 1 is not supported")
+  out = dict(rope_theta=theta, rope_type=rope_type)
   if rope_type == "llama3":
     for ours, theirs in (("rope_factor", "factor"), ("rope_low_freq_factor", "low_freq_factor"),
                          ("rope_high_freq_factor", "high_freq_factor"),
                          ("rope_original_max_position", "original_max_position_embeddings")):
       if theirs not in params:
-        raise ValueError(f"config.json llama3 RoPE parameters lack {theirs!r}")
-      out[ours] = params[theirs]
+        raise ValueError(f"llama3 RoPE parameters lack {theirs!r}")
+      out[ours] = _number(params, theirs, None)
     out["rope_original_max_position"] = int(out["rope_original_max_position"])
   elif rope_type != "default":
-    raise ValueError(f"config.json rope_type {rope_type!r} not supported; expected "
-                     "'default' or 'llama3'")
+    raise ValueError(f"rope_type {rope_type!r} not supported; expected 'default' or 'llama3'")
   return out
 
 
-def _token_ids(x) -> TokenIds:
-  if x is None or isinstance(x, int):
+def _bounded_int(key: str, value: Any) -> int:
+  """`value` as a size in [1, SIZE_LIMITS.get(key)], or a ValueError naming the key."""
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise ValueError(f"{key} must be an integer, got {value!r}")
+  limit = SIZE_LIMITS.get(key)
+  if value < 1 or (limit is not None and value > limit):
+    raise ValueError(f"{key}={value} is outside [1, {limit or 'inf'}]" + (
+        " (SIZE_LIMITS: far above any released checkpoint's)" if value > 1 else ""))
+  return value
+
+
+def _number(d: Mapping[str, Any], key: str, default) -> float:
+  """d[key] as a float (`default` when absent or null), or a ValueError naming the key."""
+  value = d.get(key)
+  if value is None:
+    if default is None:
+      raise ValueError(f"lacks {key!r}")
+    return default
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ValueError(f"{key} must be a number, got {value!r}")
+  return float(value)
+
+
+def _token_ids(hf: Mapping[str, Any], key: str) -> TokenIds:
+  x = hf.get(key)
+  if x is None or (isinstance(x, int) and not isinstance(x, bool)):
     return x
-  return tuple(int(i) for i in x)
+  if isinstance(x, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool)
+                                          for i in x):
+    return tuple(x)
+  raise ValueError(f"{key} must be a token id, a list of them or null, got {x!r}")
 
 
 def _json_ids(x):

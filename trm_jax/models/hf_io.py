@@ -41,7 +41,7 @@ from safetensors.numpy import save_file
 
 from trm_jax import sharding as shd
 from trm_jax.models.config import ModelConfig
-from trm_jax.models.decoder import Decoder
+from trm_jax.models.decoder import Decoder, abstract_model
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -187,7 +187,7 @@ class _Checkpoint:
     elif os.path.exists(os.path.join(path, SINGLE_FILE)):
       files = [SINGLE_FILE]
     else:
-      raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+      raise CheckpointFileError(f"{path}: no weights (neither {SINGLE_FILE} nor {INDEX_FILE})")
     self.tensors: Dict[str, Tuple[object, Tuple[int, ...], str]] = {}
     self.files: Dict[str, str] = {}   # tensor name -> the file holding it (error messages)
     for fn in files:
@@ -295,11 +295,13 @@ def from_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None,
   path = os.fspath(path)
   if not os.path.isdir(path):
     raise CheckpointFileError(f"{path}: no such checkpoint directory")
-  hf_config = _read_json_file(os.path.join(path, "config.json"),
-                              "a Hugging Face checkpoint directory needs config.json")
-  cfg = ModelConfig.from_hf(hf_config, dtype=dtype, param_dtype=param_dtype, remat=remat)
-  abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
+  config_file = os.path.join(path, "config.json")
+  hf_config = _read_json_file(config_file, "a Hugging Face checkpoint directory needs config.json")
+  try:   # sizes, types and options, checked before anything is built
+    cfg = ModelConfig.from_hf(hf_config, dtype=dtype, param_dtype=param_dtype, remat=remat)
+  except ValueError as e:
+    raise CheckpointFileError(f"{config_file}: {e}") from None
+  graphdef, state = nnx.split(abstract_model(Decoder, cfg))
   flat = nnx.to_flat_state(state)
   by_path = {p: v for p, v in flat}
   entries = _entries(cfg)

@@ -92,6 +92,7 @@ from flax import nnx, struct
 from trm_jax import rng
 from trm_jax.kernels.visibility import NEVER_EVICTED, Visibility
 from trm_jax.models import kv_cache
+from trm_jax.models.decoder import abstract_model
 from trm_jax.models.kv_cache import KVCache
 from trm_jax.models.protocol import CausalLM
 from trm_jax.rollout import cache as kv
@@ -294,8 +295,7 @@ def stream_keys(key: jax.Array):
 @functools.lru_cache(maxsize=None)
 def _graphdef_with_dtype(cls, config, dtype_name: str):
   """Graph of the same model computing in another dtype (same state layout)."""
-  abstract = nnx.eval_shape(lambda: cls(config.replace(dtype=dtype_name), rngs=nnx.Rngs(0)))
-  return nnx.split(abstract)[0]
+  return nnx.graphdef(abstract_model(cls, config.replace(dtype=dtype_name)))
 
 
 def run_phase(phase: str, graphdef, state, prompt_ids, prompt_lengths, *, key: jax.Array,
