@@ -228,6 +228,25 @@ def test_the_cli_prints_one_line(checkpoint, tmp_path):
   assert "Traceback" not in p.stderr
 
 
+def test_an_evaluation_capped_by_its_held_out_set_says_how_many_it_used(gsm8k, tmp_path):
+  """An eval_path of 10 rows with eval_problems=50 warned, then the final line said "eval on
+  50 held-out problems"."""
+  from trm_jax.data.task import Task  # pylint: disable=g-import-not-at-top
+  held = tmp_path / "held.jsonl"
+  held.write_text("".join(json.dumps({"question": f"What is {i} + 2?",
+                                      "answer": f"#### {i + 2}"}) + "\n" for i in range(10)))
+  c = _config("unused", gsm8k)
+  c.task.eval_path, c.eval_problems, c.task.max_prompt_len = str(held), 50, 128
+  task = Task(c.task, seed=0, tokenizer=synthetic.make_synthetic_tokenizer(str(tmp_path)),
+              eval_problems=c.eval_problems)
+  assert train.eval_line(c, task, {"greedy_accuracy": 0.5}) == (
+      "eval on 10 held-out problems (eval_problems=50: the held-out set has only 10): "
+      "greedy_accuracy=0.500")
+  c.eval_problems = 10
+  assert train.eval_line(c, task, {"greedy_accuracy": 0.5}) == (
+      "eval on 10 held-out problems: greedy_accuracy=0.500")
+
+
 # --- refused before the model loads ---------------------------------------------------------
 @pytest.mark.parametrize("which", ["path", "eval_path"])
 def test_a_missing_data_path_names_the_key(checkpoint, gsm8k, tmp_path, which):

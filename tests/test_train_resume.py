@@ -227,8 +227,15 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp, reference, sha
 def test_nan_gradients_skip_the_update_and_the_run_goes_on(tmp, reference, shared_run):
   del reference  # only for the base model and the compilation cache
   workdir = os.path.join(tmp, "nan")
-  _train(shared_run, workdir, "--config.total_steps=3", "--config.ckpt_every=1", "--config.eval_every=0",
-         "--config.keep_ckpts=3", "--config.debug.nan_step=2")
+  p = subprocess.run(_args(shared_run, workdir, "--config.total_steps=3", "--config.ckpt_every=1",
+                           "--config.eval_every=0", "--config.keep_ckpts=3",
+                           "--config.debug.nan_step=2"),
+                     cwd=ROOT, env=shared_run.env(), capture_output=True, text=True,
+                     timeout=TIMEOUT)
+  assert p.returncode == 0, p.stderr[-4000:]
+  # Said at the end, not only in the metrics.
+  assert ("updates skipped at 1 of the 3 steps run: 1 had a non-finite loss or gradient. The "
+          "policy changed only at the other steps") in p.stdout.splitlines(), p.stdout
   recs = {r["step"]: r for r in _metrics(workdir)}
   assert sorted(recs) == [1, 2, 3]
   assert [s for s in recs if "eval/greedy_accuracy" in recs[s]] == [3]  # eval_every=0: the end
@@ -293,6 +300,9 @@ def test_a_run_that_cannot_learn_stops_naming_why(tmp, reference, shared_run):
   workdir = os.path.join(tmp, "stalled")
   log = _train(shared_run, workdir, "--config.trm.delta=0.0", "--config.rl.max_consecutive_skips=2",
                "--config.eval_every=0", ok=False)
+  assert ("trm.delta=0: trm_max_kl keeps only sequences with no divergence at all, so with any "
+          "mismatch between sampler and learner every sequence is masked and every update "
+          "skipped") in log                          # said before the first step
   assert log.strip().splitlines()[-1] == (
       "error: stopping at step 2: every update of the last 2 steps was skipped "
       "(rl.max_consecutive_skips=2): 0 steps had a non-finite loss or gradient, 2 had every "

@@ -201,6 +201,11 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
                              prompt_len=task.max_prompt_len, new_tokens=task.max_new_tokens)
   task.check_prompts(c.eval_problems)
   step_lib.warn_truncation(c)
+  if _zero_thresholds(c):
+    log.warning("%s: %s keeps only sequences with no divergence at all, so with any mismatch "
+                "between sampler and learner every sequence is masked and every update "
+                "skipped", ", ".join(f"trm.{k}=0" for k in _zero_thresholds(c)),
+                "/".join(c.trm.criteria))
   ctx, state = step_lib.make_context(c, mesh, model, tok, task, sampler_mesh)
   del model
 
@@ -217,8 +222,8 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
                          resume_record=(meta or {}).get("metrics")) if lead else None
 
   try:
-    state, last_eval, loop_s = _loop(c, ctx, state, ckpt, logger, config_json,
-                                     task.fingerprint, stop)
+    state, last_eval, loop_s, skips = _loop(c, ctx, state, ckpt, logger, config_json,
+                                            task.fingerprint, stop)
   except BaseException:
     # Flush the record (and end the progress bar before the error is printed); let the
     # in-flight checkpoint finish, so the last good one is complete on disk.
@@ -255,10 +260,21 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
   # Atomic: summary.json marks the run as finished (the sweep runner skips finished cells).
   wd.write_json_atomic(os.path.join(workdir, "summary.json"), result)
   print(format_summary(s))
+  if skips["nonfinite"] or skips["masked"]:
+    print(_skip_summary(c, skips))
   if "eval" in result:
-    print(f"eval on {c.eval_problems} held-out problems: " +
-          "  ".join(f"{k}={v:.3f}" for k, v in result["eval"].items()))
+    print(eval_line(c, task, result["eval"]))
   return result
+
+
+def eval_line(c: ml_collections.ConfigDict, task: Task, ev: dict) -> str:
+  """The final console line of the held-out evaluation `ev`, with the number of problems it
+  used (fewer than eval_problems when the held-out set is smaller: `Task` caps it)."""
+  n = len(task.eval_problems(c.eval_problems))
+  capped = "" if n == c.eval_problems else (
+      f" (eval_problems={c.eval_problems}: the held-out set has only {n})")
+  return f"eval on {n} held-out problems{capped}: " + "  ".join(
+      f"{k}={v:.3f}" for k, v in ev.items())
 
 
 def _loop(c: ml_collections.ConfigDict, ctx: step_lib.RLContext, state: step_lib.TrainState,
@@ -300,6 +316,7 @@ def _loop(c: ml_collections.ConfigDict, ctx: step_lib.RLContext, state: step_lib
   # --- The loop -------------------------------------------------------------------------------
   t_start = time.time()
   skipped_run = []  # per consecutive skipped step: (non-finite, all masked) update fractions
+  skips = {"steps": 0, "nonfinite": 0, "masked": 0}   # steps run, and those wholly skipped
   saved, record = state.step, None   # newest step with a checkpoint; last metrics line
   while True:
     signum = stop.should_stop()
@@ -321,6 +338,9 @@ def _loop(c: ml_collections.ConfigDict, ctx: step_lib.RLContext, state: step_lib
     skipped_run = skipped_run + [(metrics["learner/skipped_nonfinite"],
                                   metrics["learner/skipped_all_masked"])] \
         if metrics["learner/skipped"] == 1.0 else []
+    skips["steps"] += 1
+    if skipped_run:
+      skips["nonfinite" if skipped_run[-1][0] > 0 else "masked"] += 1
     stalled = 0 < c.rl.max_consecutive_skips <= len(skipped_run)
     record = logger.log(state.step, metrics) if logger is not None and (
         logged or stalled) else None
@@ -330,7 +350,30 @@ def _loop(c: ml_collections.ConfigDict, ctx: step_lib.RLContext, state: step_lib
                        force=state.step == c.total_steps):
       saved = state.step
       preemption.debug_point("save", state.step)   # test hook: a signal while it is written
-  return state, last_eval, time.time() - t_start
+  return state, last_eval, time.time() - t_start, skips
+
+
+def _zero_thresholds(c: ml_collections.ConfigDict) -> list[str]:
+  """The trm.* thresholds of the chosen criteria that are 0 (a trust region of radius 0)."""
+  from trm_jax.trm import CRITERIA  # pylint: disable=g-import-not-at-top
+  keys = dict.fromkeys(k for n in c.trm.criteria if n != "token_mask"
+                       for k in CRITERIA[n].thresholds)
+  return [k for k in keys if c.trm[k] == 0]
+
+
+def _skip_summary(c: ml_collections.ConfigDict, skips: dict) -> str:
+  """The console line for a run whose updates were skipped at some steps."""
+  why = []
+  if skips["masked"]:
+    zero = _zero_thresholds(c)
+    why.append(f"{skips['masked']} had every sequence masked by TRM (trm.criteria="
+               f"{tuple(c.trm.criteria)}" + (f" with {', '.join(f'trm.{k}=0' for k in zero)}"
+                                             if zero else "") + ")")
+  if skips["nonfinite"]:
+    why.append(f"{skips['nonfinite']} had a non-finite loss or gradient")
+  n = skips["masked"] + skips["nonfinite"]
+  return (f"updates skipped at {n} of the {skips['steps']} steps run: {'; '.join(why)}. "
+          "The policy changed only at the other steps")
 
 
 def _preempted(c: ml_collections.ConfigDict, signum: int, step: int, *, saved: bool,
