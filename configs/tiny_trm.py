@@ -18,7 +18,7 @@ import ml_collections
 def get_config(arg=None):
   del arg
   c = ml_collections.ConfigDict()
-  c.seed = 0                       # RL prompts use stream `seed`; warm-up data `seed + 1`
+  c.seed = 0                       # RL prompts use stream `seed`, held-out problems `seed + 2`
   c.total_steps = 150              # RL steps (rollout batch + update)
   c.log_every = 1                  # console / TensorBoard / metrics.jsonl cadence (steps;
                                    #   evaluation steps and the last step always log)
@@ -55,7 +55,8 @@ def get_config(arg=None):
   c.warmup.steps = 400             # SFT steps
   c.warmup.batch_size = 64
   c.warmup.lr = 3e-3
-  c.warmup.seed = 0                # model init
+  c.warmup.seed = 0                # model init and warm-up data (stream warmup.seed + 1): one
+                                   #   base for runs of every `seed`
   c.warmup.answer_only_frac = 0.3  # warm-up demonstrations written as the answer alone (no
                                    #   worked lines): the base then sometimes answers without
                                    #   working, mostly wrongly on long sums, and GRPO's gain is

@@ -57,3 +57,28 @@ def test_a_carried_base_is_installed_as_the_cache_only_for_its_settings(tmp_path
                                 [("model.path", str(carried))])
   with pytest.raises(config_lib.ConfigError, match="model.path"):
     warmup.install_base(str(carried), other)
+
+
+def test_every_run_seed_shares_one_base_and_warmup_seed_picks_it(tmp_path, monkeypatch):
+  """The base is a function of what its fingerprint holds: the warm-up's data come from stream
+  warmup.seed + 1 (1 by default, the stream seed 0 always used, so its base is unchanged),
+  never from the run seed, which the fingerprint does not hold. Runs of seeds 0 and 1 build
+  the same base bit for bit; before, seed 1 warmed up on stream 2 yet reused seed 0's cache."""
+  from trm_jax.data import synthetic  # pylint: disable=g-import-not-at-top
+  streams = []
+  draw = synthetic.demonstration_batch
+  monkeypatch.setattr(synthetic, "demonstration_batch",
+                      lambda cfg, seed, *a: streams.append(seed) or draw(cfg, seed, *a))
+  small = [("warmup.steps", 2), ("warmup.batch_size", 4), ("model.arch.hidden_size", 32),
+           ("model.arch.intermediate_size", 64), ("model.arch.num_layers", 1)]
+  digests = []
+  for seed in (0, 1):
+    c = sweep.apply_overrides(config_lib.load_config("configs/tiny_trm.py"),
+                              small + [("seed", seed)])
+    out = warmup.build_base_model(c, str(tmp_path / f"seed{seed}"), log=lambda _: None)
+    digests.append(warmup.model_digest(out))
+    assert warmup.is_current(out, c)
+  assert digests[0] == digests[1] and streams == [1] * 4
+  other = sweep.apply_overrides(config_lib.load_config("configs/tiny_trm.py"),
+                                small + [("warmup.seed", 1)])
+  assert warmup.data_stream(other) == 2 and not warmup.is_current(str(tmp_path / "seed0"), other)

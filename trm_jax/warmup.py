@@ -34,6 +34,15 @@ from trm_jax.rl import optim
 MARKER = "warmup.json"
 
 
+def data_stream(c: ml_collections.ConfigDict) -> int:
+  """The synthetic stream the warm-up's demonstrations come from: `warmup.seed + 1`, set by
+  the warm-up's own settings only, so that the base is a function of its fingerprint and one
+  base serves runs of every `seed` (a sweep over seeds compares RL from the same start). With
+  the default warmup.seed 0 it is stream 1: run seed 1's RL prompts (problems that base saw
+  worked), never a held-out stream (run seed k evaluates on stream k + 2)."""
+  return int(c.warmup.seed) + 1
+
+
 def _fingerprint(c: ml_collections.ConfigDict) -> dict:
   return {"arch": c.model.arch.to_dict(), "warmup": c.warmup.to_dict(),
           "task": c.task.synthetic.to_dict()}
@@ -108,8 +117,7 @@ def build_base_model(c: ml_collections.ConfigDict, out_dir: str, *,
 
   t0 = time.time()
   for i in range(w.steps):
-    # Warm-up data come from their own stream (seed + 1), disjoint from RL prompts (seed).
-    problems = synthetic.demonstration_batch(task_cfg, c.seed + 1, i * w.batch_size,
+    problems = synthetic.demonstration_batch(task_cfg, data_stream(c), i * w.batch_size,
                                              w.batch_size, w.answer_only_frac)
     b = make_sft_batch(tok, problems, max_len=T)
     params, opt_state, loss = step(params, opt_state, jnp.asarray(b.tokens),

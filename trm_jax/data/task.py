@@ -23,7 +23,8 @@ Config keys read (the `task` section of configs/tiny_trm.py):
 
 Held-out problems never reach training:
   * synthetic: evaluation draws stream `seed + 2`, training stream `seed` (warm-up SFT uses
-    `seed + 1`): independent draws, a fresh test set from the same distribution.
+    `warmup.seed + 1`, one base for every seed): independent draws, a fresh test set from the
+    same distribution.
   * file task with eval_path: the evaluation data; training uses all of `path`'s split.
   * file task with eval_split but no eval_path: that split of `path` (a dataset's own held-out
     split, GSM8K's test); training uses all of `split`, which must be another one.
@@ -57,7 +58,7 @@ from trm_jax.data.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 HOLDOUT_SEED = 0  # the held-out rows of a file task without eval_path (module docstring)
-# Stream offsets from the run seed: RL prompts use `seed`, warm-up SFT `seed + 1`.
+# Stream offsets from the run seed: RL prompts use `seed` (warm-up SFT `warmup.seed + 1`).
 SYNTHETIC_EVAL_STREAM = 2
 # Prompts per source whose tokens `check_prompts` counts as known or unknown to the tokenizer.
 COVERAGE_SAMPLE = 64
