@@ -313,3 +313,33 @@ def test_a_run_that_cannot_learn_stops_naming_why(tmp, reference, shared_run):
   assert all(r["learner/skipped"] == 1.0 and r["learner/skipped_all_masked"] == 1.0 and
              r["trm/reject_rate"] == 1.0 for r in recs)
   assert not os.path.exists(os.path.join(workdir, "summary.json"))
+
+
+def test_a_full_disk_at_the_export_loses_nothing(tmp, reference, shared_run):
+  """The HF export of a finished run onto a full disk (a 64 kB tmpfs at workdir/hf, as root)
+  raised a SafetensorError traceback. Now: one line, the run's checkpoint and metrics are
+  kept, no partial file is left, and once the disk has room the same command exports it."""
+  if os.geteuid() != 0:
+    pytest.skip("needs root to mount a full tmpfs")
+  workdir = os.path.join(tmp, "full_export")
+  shutil.copytree(reference, workdir)
+  os.remove(os.path.join(workdir, "summary.json"))      # the run as it stood before its export
+  shutil.rmtree(os.path.join(workdir, "hf"))
+  hf = os.path.join(workdir, "hf")
+  os.makedirs(hf)
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", hf]).returncode != 0:
+    pytest.skip("cannot mount a tmpfs here")
+  try:
+    log = _train(shared_run, workdir, ok=False)
+    assert os.listdir(hf) == []
+  finally:
+    subprocess.run(["umount", hf], check=True)
+  assert log.strip().splitlines()[-1] == (
+      f"error: exporting the policy failed: {hf}: cannot write the checkpoint (No space left on "
+      f"device (os error 28)). The run is kept (checkpoint step {STEPS} in {workdir}/ckpt); "
+      f"rerun the same command once {hf} can be written, to export it")
+  assert "Traceback" not in log
+  assert _metrics(workdir) == _metrics(reference)
+  _train(shared_run, workdir)
+  assert os.path.exists(os.path.join(hf, "model.safetensors"))
+  assert os.path.exists(os.path.join(workdir, "summary.json"))

@@ -255,8 +255,16 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
   s = summarize(metrics_path, key="reward", final_keys=DEFAULT_SUMMARY_KEYS)
   result["summary"] = s
   if c.export_hf:
-    export_hf(nnx.merge(ctx.graphdef, params_host, ctx.rest), base,
-              os.path.join(workdir, "hf"))
+    try:
+      export_hf(nnx.merge(ctx.graphdef, params_host, ctx.rest), base,
+                os.path.join(workdir, "hf"))
+    except CheckpointFileError as e:
+      # The run is whole: its last checkpoint holds step total_steps, and without
+      # summary.json the same command resumes there and exports again.
+      raise CheckpointFileError(
+          f"exporting the policy failed: {e}. The run is kept (checkpoint step {state.step} "
+          f"in {ckpt.directory}); rerun the same command once {workdir}/hf can be written, to "
+          "export it") from e
   # Atomic: summary.json marks the run as finished (the sweep runner skips finished cells).
   wd.write_json_atomic(os.path.join(workdir, "summary.json"), result)
   print(format_summary(s))
@@ -494,7 +502,11 @@ def export_hf(model: nnx.Module, base: str, out: str) -> None:
   for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
             "special_tokens_map.json", "chat_template.jinja"):
     if os.path.exists(os.path.join(base, f)):
-      shutil.copyfile(os.path.join(base, f), os.path.join(out, f))
+      try:
+        shutil.copyfile(os.path.join(base, f), os.path.join(out, f))
+      except OSError as e:
+        raise CheckpointFileError(f"{os.path.join(out, f)}: cannot be written "
+                                  f"({e.strerror or e})") from e
 
 
 def memory_metrics() -> dict:

@@ -40,6 +40,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from trm_jax import sharding as shd
+from trm_jax import workdir as wd
 from trm_jax.models.config import ModelConfig
 from trm_jax.models.decoder import Decoder, abstract_model
 
@@ -341,10 +342,16 @@ def save_pretrained(model: Decoder, path: str, *, max_shard_bytes: Optional[int]
 
   Parameters are fetched to host one at a time and written in their parameter dtype. With
   `max_shard_bytes`, tensors are split over `model-0000i-of-0000n.safetensors` files with a
-  `model.safetensors.index.json` (host memory then holds at most one shard).
+  `model.safetensors.index.json` (host memory then holds at most one shard). Shards are
+  written as temporary files and renamed once all are written: a write that fails (a full
+  disk) raises `CheckpointFileError` naming `path` and the cause and removes the temporary
+  files; an earlier checkpoint in `path` stays whole unless the failure came while renaming.
   """
   path = os.fspath(path)
-  os.makedirs(path, exist_ok=True)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise CheckpointFileError(f"{path}: cannot write the checkpoint ({e.strerror or e})") from e
   cfg = model.config
   by_path = {p: v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   written: List[Tuple[str, List[str]]] = []   # (temporary file name, tensor names)
@@ -353,29 +360,35 @@ def save_pretrained(model: Decoder, path: str, *, max_shard_bytes: Optional[int]
 
   def flush():
     tmp = f"model-{len(written) + 1:05d}.safetensors.tmp"
-    save_file(shard, os.path.join(path, tmp), metadata={"format": "pt"})
     written.append((tmp, list(shard)))
+    save_file(shard, os.path.join(path, tmp), metadata={"format": "pt"})
 
-  for entry in _entries(cfg):
-    ours = np.asarray(jax.device_get(by_path[entry.path].get_value()))
-    for name, x in zip(entry.names, _hf_from_ours(entry, ours)):
-      if max_shard_bytes is not None and shard and shard_bytes + x.nbytes > max_shard_bytes:
-        flush()
-        shard, shard_bytes = {}, 0
-      shard[name] = x
-      shard_bytes += x.nbytes
-      total += x.nbytes
-  flush()
-  if len(written) == 1:
-    os.replace(os.path.join(path, written[0][0]), os.path.join(path, SINGLE_FILE))
-  else:
-    weight_map = {}
-    for i, (tmp, names) in enumerate(written):
-      final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-      os.replace(os.path.join(path, tmp), os.path.join(path, final))
-      weight_map.update({name: final for name in names})
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(cfg.to_hf(), f, indent=2)
+  try:
+    for entry in _entries(cfg):
+      ours = np.asarray(jax.device_get(by_path[entry.path].get_value()))
+      for name, x in zip(entry.names, _hf_from_ours(entry, ours)):
+        if max_shard_bytes is not None and shard and shard_bytes + x.nbytes > max_shard_bytes:
+          flush()
+          shard, shard_bytes = {}, 0
+        shard[name] = x
+        shard_bytes += x.nbytes
+        total += x.nbytes
+    flush()
+    if len(written) == 1:
+      os.replace(os.path.join(path, written[0][0]), os.path.join(path, SINGLE_FILE))
+    else:
+      weight_map = {}
+      for i, (tmp, names) in enumerate(written):
+        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        os.replace(os.path.join(path, tmp), os.path.join(path, final))
+        weight_map.update({name: final for name in names})
+      wd.write_json_atomic(os.path.join(path, INDEX_FILE),
+                           {"metadata": {"total_size": total}, "weight_map": weight_map})
+    wd.write_json_atomic(os.path.join(path, "config.json"), cfg.to_hf())
+  except (OSError, SafetensorError) as e:
+    for tmp, _ in written:
+      if os.path.exists(os.path.join(path, tmp)):
+        os.remove(os.path.join(path, tmp))
+    cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).rsplit(": ", 1)[-1]
+    raise CheckpointFileError(f"{path}: cannot write the checkpoint ({cause})") from e
   return path
