@@ -160,6 +160,47 @@ def test_progress_bar_shows_key_numbers(tmp_path, capsys):
   assert "loss" not in err
 
 
+def test_the_eta_starts_after_the_first_step(tmp_path):
+  """The bar's clock starts once the first training step of this process is logged, so its
+  rate and ETA leave out that step's compile (the ETA read 1:58:59 at step 1 of a run of
+  minutes) and the step-0 evaluation; a resumed run's starts at its first new step."""
+  import time  # pylint: disable=g-import-not-at-top
+  with MetricsLogger(tmp_path, total_steps=150, tb=False) as lg:
+    lg.log(0, {"eval/avg@4": 0.5})
+    assert lg._bar is None                              # pylint: disable=protected-access
+    before = time.time()
+    lg.log(1, {"reward": 0.1})                          # ... after a long first step
+    bar = lg._bar                                       # pylint: disable=protected-access
+    assert bar.start_t >= before and bar.n == 1 and bar.format_dict["rate"] is None
+    lg.log(2, {"reward": 0.2})
+    assert bar.n == 2 and bar.format_dict["initial"] == 1   # the rate counts step 2 only
+  with MetricsLogger(tmp_path, total_steps=150, tb=False, resume_step=2) as lg:
+    lg.log(3, {"reward": 0.3})
+    assert lg._bar.format_dict["initial"] == 3          # pylint: disable=protected-access
+
+
+def test_curves_draw_the_held_out_evaluations_and_label_the_axes(tmp_path):
+  with MetricsLogger(tmp_path, total_steps=6, enable_progress=False, tb=False) as lg:
+    for step in range(7):
+      m = {} if step == 0 else {"reward": step / 10, "response_len": 20.0 - step}
+      if step % 3 == 0:
+        m.update({"eval/avg@4": 0.4 + step / 100, "eval/greedy_accuracy": 0.8})
+      lg.log(step, m)
+  records = metrics_lib.read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+  fig, panels = metrics_lib.curves_figure(records)
+  assert panels == ["reward", "response_len", metrics_lib.EVAL_PANEL]
+  axes = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+  assert sorted(axes) == sorted(panels)
+  for ax in axes.values():
+    assert ax.get_xlabel() == "step" and ax.get_ylabel()
+  held = axes[metrics_lib.EVAL_PANEL]
+  assert held.get_ylabel() == "score on held-out problems"
+  drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+           for line in held.get_lines()}
+  assert drawn == {"avg@4": ([0, 3, 6], [0.4, 0.4 + 3 / 100, 0.4 + 6 / 100]),
+                   "greedy_accuracy": ([0, 3, 6], [0.8, 0.8, 0.8])}
+
+
 def test_rolling_mean_exact():
   v = np.array([1.0, 3.0, np.nan, 5.0, 7.0])
   np.testing.assert_array_equal(metrics_lib.rolling_mean(v, 2), [1.0, 2.0, 3.0, 5.0, 6.0])

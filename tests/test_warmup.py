@@ -1,5 +1,6 @@
 """The warm-up base's marker: a cached base is reused exactly when it is the configured one."""
 import json
+import re
 import shutil
 
 from trm_jax import config as config_lib
@@ -69,16 +70,21 @@ def test_every_run_seed_shares_one_base_and_warmup_seed_picks_it(tmp_path, monke
   draw = synthetic.demonstration_batch
   monkeypatch.setattr(synthetic, "demonstration_batch",
                       lambda cfg, seed, *a: streams.append(seed) or draw(cfg, seed, *a))
-  small = [("warmup.steps", 2), ("warmup.batch_size", 4), ("model.arch.hidden_size", 32),
+  small = [("warmup.steps", 6), ("warmup.batch_size", 4), ("model.arch.hidden_size", 32),
            ("model.arch.intermediate_size", 64), ("model.arch.num_layers", 1)]
-  digests = []
+  digests, lines = [], []
   for seed in (0, 1):
     c = sweep.apply_overrides(config_lib.load_config("configs/tiny_trm.py"),
                               small + [("seed", seed)])
-    out = warmup.build_base_model(c, str(tmp_path / f"seed{seed}"), log=lambda _: None)
+    out = warmup.build_base_model(c, str(tmp_path / f"seed{seed}"), log=lines.append)
     digests.append(warmup.model_digest(out))
     assert warmup.is_current(out, c)
-  assert digests[0] == digests[1] and streams == [1] * 4
+  assert digests[0] == digests[1] and streams == [1] * 12
+  # A warm-up says how long it will take, measured from the end of step 1 (its compile).
+  shown = [re.sub(r"loss \S+ \(\d+s", "loss L (Ts", ln) for ln in lines[:6]]
+  assert shown[0] == "[warmup] step 1/6 loss L (Ts)" and shown[5] == "[warmup] step 6/6 loss L (Ts)"
+  assert all(re.fullmatch(rf"\[warmup\] step {i}/6 loss L \(Ts; about \d+ s left\)",
+                          shown[i - 1]) for i in range(2, 6)), shown
   other = sweep.apply_overrides(config_lib.load_config("configs/tiny_trm.py"),
                                 small + [("warmup.seed", 1)])
   assert warmup.data_stream(other) == 2 and not warmup.is_current(str(tmp_path / "seed0"), other)

@@ -12,9 +12,16 @@ from the environment; a `srun -n 2` step or `gcloud ... ssh --worker=all` on a T
 therefore starts one multi-process run with no JAX_* variables. An environment that reports a
 single process (a one-task SLURM step) is not initialised: nothing to coordinate, and no port
 to open. Opt-in-only detectors (mpi4py) are left to an explicit `initialize` call.
+
+On a machine with no TPU chip and no GPU, and JAX_PLATFORMS unset, JAX is restricted to the
+CPU first (`cpu_when_no_accelerator`): otherwise it tries every installed accelerator plugin,
+and with the `tpu` / `gpu_aot` extras installed libtpu ("unexpected worker hostname", "No
+jellyfish device found") and the CUDA plugin ("Unable to load CUDA", with a traceback) print
+error lines on every CPU run.
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from typing import Optional
@@ -46,10 +53,29 @@ def detect_cluster() -> Optional[type]:
   return None
 
 
+def cpu_when_no_accelerator() -> bool:
+  """Sets jax_platforms to "cpu" when it is unset, no backend is up yet, and the machine has
+  no TPU chip (JAX's own probe, what Cloud TPU start-up reads) and no GPU device node; returns
+  whether it did. What such a run ends up on is the CPU either way; this only skips the failed
+  plugin start-ups and their error lines."""
+  from jax._src import hardware_utils, xla_bridge  # pylint: disable=g-import-not-at-top
+  if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+    return False
+  if xla_bridge.backends_are_initialized():
+    return False
+  if (hardware_utils.num_available_tpu_chips_and_device_id()[0]
+      or glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd")):
+    return False
+  jax.config.update("jax_platforms", "cpu")
+  return True
+
+
 def init_distributed() -> bool:
   """Initialises jax.distributed as the environment asks (see the module docstring) and logs
   one line saying how, with the process count. Returns whether it initialised. Must run
-  before anything touches a jax device."""
+  before anything touches a jax device (CPU-only machines are kept quiet first:
+  `cpu_when_no_accelerator`)."""
+  cpu_when_no_accelerator()
   set_vars = [k for k in EXPLICIT if k in os.environ]
   if set_vars:
     missing = [k for k in EXPLICIT if k not in os.environ]

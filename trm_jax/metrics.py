@@ -144,12 +144,12 @@ class MetricsLogger:
           # the same second would overwrite the dead run's file. The ns suffix keeps names
           # unique and in time order (TensorBoard reads files sorted by name).
           filename_suffix=f".{time.time_ns()}")
-    if enable_progress:
-      from tqdm.auto import tqdm
-      # initial=resume_step: the bar shows overall progress while the rate (and so the ETA)
-      # comes only from steps run in this process.
-      self._bar = tqdm(total=total_steps, initial=max(self._last_step, 0), unit="step",
-                       dynamic_ncols=True)
+    # The bar starts at the first training step this process logs: its rate (and so the
+    # ETA) then counts only the steps after it, not the first step's compile (which made the
+    # ETA of a 150-step run read 1:58:59 at step 1), nor the steps of a resumed run.
+    self._total = total_steps
+    self._first_step = max(self._last_step, 0)
+    self._progress = enable_progress
 
   def _truncate_after(self, resume_step: int, resume_record: Optional[dict]) -> None:
     """Rewrites the file to the rows the resumed checkpoint covers (via tmp file + rename):
@@ -202,6 +202,9 @@ class MetricsLogger:
       for k, v in values.items():
         if v is not None:
           self._writer.add_scalar(tb_tag(k), v, global_step=step)
+    if self._bar is None and self._progress and step > self._first_step:
+      from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+      self._bar = tqdm(total=self._total, initial=step, unit="step", dynamic_ncols=True)
     if self._bar is not None:
       self._bar.set_postfix({k: "nan" if values[k] is None else f"{values[k]:.4g}"
                              for k in self._progress_keys if k in values}, refresh=False)
@@ -255,22 +258,38 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
 def plot_curves(metrics_jsonl_path: str, out_png: str,
                 keys: Sequence[str] = DEFAULT_PLOT_KEYS, *,
                 window: Optional[int] = None) -> list[str]:
-  """Writes a PNG grid, one panel per key present in the file: raw values and a rolling mean.
+  """Writes `curves_figure` of the file as a PNG; returns its panels' keys."""
+  fig, present = curves_figure(read_metrics(metrics_jsonl_path), keys, window=window,
+                               source=metrics_jsonl_path)
+  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+  fig.savefig(out_png, dpi=100)
+  return present
 
-  `window` defaults to 5% of the logged steps (at least 1). Returns the keys plotted; keys the
-  file does not have are skipped, and if it has none of them the error lists what it has.
+
+EVAL_PANEL = "held-out evaluation"
+
+
+def curves_figure(records: Sequence[dict], keys: Sequence[str] = DEFAULT_PLOT_KEYS, *,
+                  window: Optional[int] = None, source: str = "the records"):
+  """(Figure, panel keys): a grid with one panel per key present in `records` (raw values and
+  a rolling mean), then, when the run evaluated, a `EVAL_PANEL` panel with every `eval/*`
+  metric at the steps it was measured (the numbers to read: training rewards move with the
+  batches' difficulty). Every panel labels both axes.
+
+  `window` defaults to 5% of the logged steps (at least 1). Keys the records do not have are
+  skipped; if they have none of them (and no evaluation) the error lists what they have.
   """
   # A bare Figure (Agg canvas) leaves pyplot's backend alone: notebooks keep inline plots.
   from matplotlib.figure import Figure
 
-  records = read_metrics(metrics_jsonl_path)
   present = [k for k in keys if any(k in r for r in records)]
-  if not present:
+  evals = sorted({k for r in records for k in r if k.startswith("eval/")})
+  panels = present + ([EVAL_PANEL] if evals else [])
+  if not panels:
     available = sorted({k for r in records for k in r} - set(RESERVED_KEYS))
-    raise ValueError(f"{metrics_jsonl_path} has none of the keys {list(keys)}; it has "
-                     f"{available}")
-  ncols = min(3, len(present))
-  nrows = math.ceil(len(present) / ncols)
+    raise ValueError(f"{source} has none of the keys {list(keys)}; it has {available}")
+  ncols = min(3, len(panels))
+  nrows = math.ceil(len(panels) / ncols)
   fig = Figure(figsize=(4.5 * ncols, 3.2 * nrows))
   axes = fig.subplots(nrows, ncols, squeeze=False)
   for ax, key in zip(axes.flat, present):
@@ -279,15 +298,23 @@ def plot_curves(metrics_jsonl_path: str, out_png: str,
     ax.plot(steps, values, alpha=0.3, lw=1, label="per step")
     ax.plot(steps, rolling_mean(values, w), lw=2, label=f"mean of last {w}")
     ax.set_title(key)
+    ax.set_ylabel(key.rsplit("/", 1)[-1])
+  if evals:
+    ax = axes.flat[len(present)]
+    for key in evals:
+      ax.plot(*series(records, key), marker="o", lw=1.5, label=key[len("eval/"):])
+    ax.set_title(EVAL_PANEL)
+    ax.set_ylabel("score on held-out problems")
+    ax.legend(fontsize=8)
+  for ax in list(axes.flat)[:len(panels)]:
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-  axes.flat[0].legend(fontsize=8)
-  for ax in list(axes.flat)[len(present):]:
+  if present:
+    axes.flat[0].legend(fontsize=8)
+  for ax in list(axes.flat)[len(panels):]:
     ax.set_visible(False)
   fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-  fig.savefig(out_png, dpi=100)
-  return present
+  return fig, panels
 
 
 def summarize(metrics_jsonl_path: str, key: str = "reward",

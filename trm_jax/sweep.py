@@ -775,6 +775,7 @@ def plot_grouped(workdir: str, keys: Sequence[str], out_png: str, *,
                         alpha=0.15)
     ax.set_title(key)
     ax.set_xlabel("step")
+    ax.set_ylabel(key.rsplit("/", 1)[-1])
     ax.grid(alpha=0.3)
   axes[0][0].legend(fontsize=7)
   fig.tight_layout()

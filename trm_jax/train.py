@@ -541,7 +541,35 @@ def main(argv):
     sys.exit(preemption.exit_code(signal.SIGINT))
 
 
+def help_text() -> str:
+  """`--help`: the flags, `--config` first, and where the settings are documented (absl's own
+  help listed only --workdir and --allow_config_change, hid --config under --helpfull, and
+  exited 1)."""
+  import textwrap  # pylint: disable=g-import-not-at-top
+  rows = [("--config CONFIG", "experiment config: a python file with get_config (path[:arg]) "
+           f"or a shipped config's name ({', '.join(config_lib.shipped_names())}); default "
+           "tiny_trm"),
+          ("--config.KEY=VALUE", "override one setting, e.g. --config.total_steps=100 "
+           "--config.trm.criteria=\"('trm_max_kl',)\""),
+          ("--workdir DIR", flags.FLAGS[_WORKDIR.name].help),
+          ("--allow_config_change", flags.FLAGS[_ALLOW_CHANGE.name].help)]
+  lines = ["usage: python -m trm_jax.train [--config CONFIG] --workdir DIR "
+           "[--config.KEY=VALUE ...] [--allow_config_change]", "",
+           __doc__.strip().splitlines()[0], ""]
+  for name, text in rows:
+    lines.append(textwrap.fill(text, 96, initial_indent=f"  {name:<24}",
+                               subsequent_indent=" " * 26))
+  lines += ["", textwrap.fill(
+      "Every setting is documented where its default is set, one comment per key, in the "
+      f"shipped configs ({os.path.join(config_lib.shipped_dir(), 'tiny_trm.py')} first: the "
+      "others start from it). absl's own flags: --helpfull.", 96)]
+  return "\n".join(lines)
+
+
 def cli():
+  if any(a in ("-h", "--help", "--helpshort") for a in sys.argv[1:]):
+    print(help_text())
+    sys.exit(0)
   # `--config tiny_trm` names a shipped config; misspelt `--config.x=` keys fail here.
   try:
     sys.argv, _ = config_lib.config_argv(sys.argv, DEFAULT_CONFIG)

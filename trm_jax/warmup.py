@@ -116,19 +116,30 @@ def build_base_model(c: ml_collections.ConfigDict, out_dir: str, *,
     return optax.apply_updates(params, updates), opt_state, loss
 
   t0 = time.time()
+  t1 = None   # when step 1 (which includes the compile) ended: the rate is measured from it
   for i in range(w.steps):
     problems = synthetic.demonstration_batch(task_cfg, data_stream(c), i * w.batch_size,
                                              w.batch_size, w.answer_only_frac)
     b = make_sft_batch(tok, problems, max_len=T)
     params, opt_state, loss = step(params, opt_state, jnp.asarray(b.tokens),
                                    jnp.asarray(b.loss_mask), jnp.asarray(b.lengths))
-    if i % max(1, w.steps // 10) == 0 or i == w.steps - 1:
-      log(f"[warmup] step {i + 1}/{w.steps} loss {float(loss):.4f} ({time.time() - t0:.0f}s)")
+    # Step 1, an early estimate at step 5, every tenth of the run, and the last step.
+    if i in (0, 4) or i % max(1, w.steps // 10) == 0 or i == w.steps - 1:
+      loss = float(loss)
+      now = time.time()
+      t1 = now if t1 is None else t1
+      left = (now - t1) / i * (w.steps - 1 - i) if 0 < i < w.steps - 1 else None
+      log(f"[warmup] step {i + 1}/{w.steps} loss {loss:.4f} ({now - t0:.0f}s" +
+          (f"; about {_duration(left)} left)" if left is not None else ")"))
   save_pretrained(nnx.merge(graphdef, params), tmp)
   with open(os.path.join(tmp, MARKER), "w") as f:
     json.dump(_fingerprint(c), f, indent=2)
   # Atomic publish: a crash mid-warm-up leaves no half-written base model behind.
   return _publish(tmp, out_dir)
+
+
+def _duration(seconds: float) -> str:
+  return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
 def _publish(tmp: str, out_dir: str) -> str:
@@ -186,6 +197,8 @@ def ensure_base_model(c: ml_collections.ConfigDict, *, log: Callable[[str], None
   if is_current(out, c):
     log(f"[warmup] reusing base model at {out}")
     return out
-  log(f"[warmup] building base model at {out}")
+  log(f"[warmup] building base model at {out}: {c.warmup.steps} supervised steps of "
+      f"{c.warmup.batch_size} demonstrations, once (later runs of these warm-up settings reuse "
+      "it); the time left is estimated from step 5")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   return build_base_model(c, out, log=log)
