@@ -14,6 +14,9 @@ and any save in flight. Under `StopOnSignal`:
     step; the last finalized checkpoint is intact (orbax writes into a temporary directory
     and renames it last).
 
+A process that runs others (the sweep and its cells) uses `Forward` instead: it passes the
+signal on, once, to each child, which then stops as above; the sweep waits for them.
+
 Multi-process: a signal may reach one process, all of them, or all at slightly different
 steps, and every process must stop after the same step (a checkpoint is a collective).
 `should_stop` therefore gathers every process's flag (`multihost_utils.process_allgather`)
@@ -34,7 +37,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Optional
+import time
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
@@ -113,6 +117,75 @@ class StopOnSignal:
     if got and not mine:
       self.signum = got  # so the exit code and message are the same on every process
     return got or None
+
+
+class Forward:
+  """Context manager for a process that runs others (the sweep runs its cells): SIGTERM and
+  SIGINT to it (Ctrl-C, `kill`, `docker stop`, a pod's termination) reach its children once.
+
+    with Forward("cell") as stop:
+      ...                       # a signal here raises Preempted: no child runs yet
+      stop.armed = True
+      while ...:
+        if stop.signum is None: ...start children...
+        stop.forward({key: (process, heard), ...})   # every loop turn
+
+  Once armed, the first signal is recorded (`signum`, `at`) and forwarded to every running
+  child, which finishes its step, checkpoints it and exits (`StopOnSignal`); a second one is
+  forwarded too (the children then exit at once). The children should run in sessions of
+  their own, so that a terminal's Ctrl-C reaches them only through here. A scheduler that
+  signals every process of a job (SLURM, systemd) reaches them directly as well: a child whose
+  `heard()` says it took the signal within `settle_s` is not sent a second copy, which would
+  end it before it saved. Inert outside the main thread.
+  """
+
+  def __init__(self, what: str, settle_s: float = 1.0):
+    self.what = what                 # what the children are, for the messages ("cell")
+    self.armed = False               # children may be running: forward rather than raise
+    self.signum: Optional[int] = None
+    self.count = 0                   # signals received
+    self.at = 0.0                    # time of the first
+    self.settle_s = settle_s
+    self._sent: dict = {}            # child key -> signals it has had
+    self._previous: dict = {}
+
+  def __enter__(self) -> "Forward":
+    if threading.current_thread() is threading.main_thread():
+      for s in SIGNALS:
+        self._previous[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, h in self._previous.items():
+      signal.signal(s, h)
+    self._previous = {}
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    name = signal.Signals(signum).name
+    if not self.armed:
+      raise Preempted(f"stopped by {name} before any {self.what} started: nothing to save",
+                      signum)
+    self.count += 1
+    if self.signum is None:
+      self.signum, self.at = signum, time.time()
+    more = (f"forwarding it to the {self.what}s, which stop at once" if self.count > 1 else
+            f"no more {self.what}s start; the running ones finish their step and checkpoint "
+            "it (send it again to stop them at once)")
+    os.write(2, f"\n{name} received: {more}\n".encode())
+
+  def forward(self, children: Mapping) -> None:
+    """Sends each running child {key: (subprocess.Popen, heard: () -> bool)} the signals it
+    has not had, once `settle_s` has passed since the first."""
+    if self.signum is None or time.time() < self.at + self.settle_s:
+      return
+    for key, (proc, heard) in children.items():
+      n = self._sent.get(key, 0)
+      if n == 0 and heard():
+        n = self._sent[key] = 1          # the scheduler's own copy reached it
+      if n < self.count and proc.poll() is None:
+        proc.send_signal(self.signum)
+        self._sent[key] = n + 1
 
 
 def _debug_moments() -> dict[tuple[str, int, Optional[int]], int]:

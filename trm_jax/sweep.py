@@ -274,7 +274,8 @@ def _write_cell(spec: str, cell: Cell, workdir: str) -> str:
 
 def _launch(spec: str, cell: Cell, workdir: str, env: dict) -> tuple[subprocess.Popen, int]:
   """(the cell's process, the size of its log before it started). The cell runs in a session
-  of its own: signals reach it through the sweep (`_Stop`), not from the terminal."""
+  of its own: signals reach it through the sweep (`preemption.Forward`), not from the
+  terminal."""
   d = _write_cell(spec, cell, workdir)
   path = os.path.join(d, "log.txt")
   at = os.path.getsize(path) if os.path.exists(path) else 0
@@ -335,80 +336,17 @@ def plan_sweep(spec: str, cells: Sequence[Cell], workdir: str) -> None:
 STOP_TIMEOUT_S = 600.0
 
 
-class _Stop:
-  """SIGTERM / SIGINT to a local sweep (Ctrl-C, `kill`, `docker stop`, a pod's termination).
-
-  Before any cell runs, a signal ends the sweep at once (`Interrupted`: nothing to save). Once
-  cells run, the first signal stops launching cells and is forwarded to every running cell,
-  which finishes its step, checkpoints it and exits (`trm_jax.preemption`); a second one is
-  forwarded too (the cells then exit at once). Cells run in sessions of their own, so a
-  terminal's Ctrl-C reaches them only through the sweep, once. A scheduler that signals every
-  process of a job (SLURM, systemd) reaches them directly as well: a cell whose log shows it
-  heard the signal within `settle_s` is not sent it a second time, which would end it before
-  it saved."""
-
-  def __init__(self, settle_s: float = 1.0):
-    self.signum: Optional[int] = None
-    self.count = 0
-    self.at = 0.0                  # time of the first signal
-    self.running = False           # cells have been launched: forward rather than raise
-    self.settle_s = settle_s
-    self.sent: dict = {}           # cell -> signals forwarded to it
-    self._previous: dict = {}
-
-  def __enter__(self) -> "_Stop":
-    if threading.current_thread() is threading.main_thread():
-      for sig in preemption.SIGNALS:
-        self._previous[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def __exit__(self, *exc) -> None:
-    for sig, h in self._previous.items():
-      signal.signal(sig, h)
-
-  def _handle(self, signum, frame) -> None:
-    del frame
-    name = signal.Signals(signum).name
-    if not self.running:
-      raise Interrupted(f"{name} before any cell started: nothing to save", signum)
-    self.count += 1
-    if self.signum is None:
-      self.signum, self.at = signum, time.time()
-    more = ("forwarding it to the cells, which stop at once" if self.count > 1 else
-            "no more cells start; the running ones finish their step and checkpoint it "
-            "(send it again to stop them at once)")
-    os.write(2, f"\n[sweep] {name} received: {more}\n".encode())
-
-  def forward(self, running: Mapping, workdir: str) -> None:
-    """Sends the running cells the signals they have not had (called by the sweep's loop)."""
-    if self.signum is None or time.time() < self.at + self.settle_s:
-      return
-    for cell, (proc, _, log_at) in running.items():
-      n = self.sent.get(cell, 0)
-      if n == 0 and _heard_signal(workdir, cell, log_at):
-        n = self.sent[cell] = 1          # the scheduler's own copy reached it
-      if n < self.count and proc.poll() is None:
-        proc.send_signal(self.signum)
-        self.sent[cell] = n + 1
-
-
-class Interrupted(Exception):
-  """The sweep was stopped by a signal; `code` is its exit status (128 + signal number)."""
-
-  def __init__(self, message: str, signum: int):
-    super().__init__(message)
-    self.code = preemption.exit_code(signum)
-
-
-def _heard_signal(workdir: str, cell: Cell, offset: int) -> bool:
-  """Whether the cell's log shows a stop request after byte `offset` (where it was when the
-  cell was launched)."""
-  try:
-    with open(os.path.join(cell_dir(workdir, cell), "log.txt"), "rb") as f:
-      f.seek(offset)
-      return preemption.HEARD.encode() in f.read()
-  except OSError:
-    return False
+def _heard_signal(workdir: str, cell: Cell, offset: int) -> Callable[[], bool]:
+  """Whether the cell's log shows it took a stop request after byte `offset` (where the log
+  was when the cell was launched)."""
+  def heard() -> bool:
+    try:
+      with open(os.path.join(cell_dir(workdir, cell), "log.txt"), "rb") as f:
+        f.seek(offset)
+        return preemption.HEARD.encode() in f.read()
+    except OSError:
+      return False
+  return heard
 
 
 def checkpoint_step(workdir: str, cell: Cell) -> Optional[int]:
@@ -447,13 +385,13 @@ def run_sweep(spec: str, cells: Sequence[Cell], workdir: str, *, parallel: int =
   so a grid of hours can copy its finished runs somewhere safe (`run_archive.archive_runs`)
   as it goes rather than only at the end, which a lost machine never reaches.
 
-  SIGTERM / SIGINT (`_Stop`) stop the sweep: running cells checkpoint their step (up to
-  `stop_timeout_s`, then they are killed), and `Interrupted` says what each cell saved; the
-  same command resumes them.
+  SIGTERM / SIGINT (`preemption.Forward`) stop the sweep: the running cells checkpoint their
+  step (within `stop_timeout_s`, else they are killed), and `preemption.Preempted` says where
+  each stopped; the same command resumes them.
   """
   if parallel < 1:
     raise config_lib.ConfigError(f"--parallel {parallel}: must be >= 1")
-  with _Stop() as stop:
+  with preemption.Forward("cell") as stop:
     plan_sweep(spec, cells, workdir)
     todo = [c for c in cells if not is_done(workdir, c)]
     log(f"[sweep] {len(cells)} cells, {len(cells) - len(todo)} done, {len(todo)} to run, "
@@ -461,17 +399,17 @@ def run_sweep(spec: str, cells: Sequence[Cell], workdir: str, *, parallel: int =
     if todo:
       _ensure_base_models(spec, todo)
     env = _env(workdir, threads_per_cell if parallel > 1 else None)
-    running: dict = {}   # cell -> (process, start time, its log's size at launch)
+    running: dict = {}   # cell -> (process, start time, whether it heard a signal itself)
     ended: dict = {}     # cell -> how it ended after the stop request
     t0 = time.time()
-    stop.running = True
+    stop.armed = True
     while (todo and stop.signum is None) or running:
       while todo and len(running) < parallel and stop.signum is None:
         cell = todo.pop(0)
         proc, log_at = _launch(spec, cell, workdir, env)
-        running[cell] = (proc, time.time(), log_at)
+        running[cell] = (proc, time.time(), _heard_signal(workdir, cell, log_at))
       time.sleep(0.5)
-      stop.forward(running, workdir)
+      stop.forward({cell: (proc, heard) for cell, (proc, _, heard) in running.items()})
       late = stop.signum is not None and time.time() > stop.at + stop_timeout_s
       for cell, (proc, started, _) in list(running.items()):
         rc, killed = proc.poll(), False
@@ -496,7 +434,7 @@ def run_sweep(spec: str, cells: Sequence[Cell], workdir: str, *, parallel: int =
     said = "; ".join(f"{c.name} {ended[c]}" for c in cells if c in ended) or (
         "no cell was running")
     lost = [c.name for c in cells if ended.get(c, "").startswith("did not")]
-    raise Interrupted(
+    raise preemption.Preempted(
         f"[sweep] stopped by {name}: {said}" + (f"; {len(todo)} cells not started" if todo
                                                 else "")
         + (f". Not saved within {stop_timeout_s:.0f}s: {', '.join(lost)}" if lost else "")
@@ -877,7 +815,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except (config_lib.ConfigError, wd.WorkdirError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except Interrupted as e:
+  except preemption.Preempted as e:
     print(f"{e} (exit code {e.code})", file=sys.stderr)
     return e.code
   except KeyboardInterrupt:   # outside the cells' loop: nothing running, nothing to save
