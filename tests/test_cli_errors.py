@@ -228,7 +228,7 @@ def test_the_cli_prints_one_line(checkpoint, tmp_path):
   assert "Traceback" not in p.stderr
 
 
-def test_an_evaluation_capped_by_its_held_out_set_says_how_many_it_used(gsm8k, tmp_path):
+def test_the_final_lines_say_what_happened(gsm8k, tmp_path):
   """An eval_path of 10 rows with eval_problems=50 warned, then the final line said "eval on
   50 held-out problems"."""
   from trm_jax.data.task import Task  # pylint: disable=g-import-not-at-top
@@ -245,6 +245,13 @@ def test_an_evaluation_capped_by_its_held_out_set_says_how_many_it_used(gsm8k, t
   c.eval_problems = 10
   assert train.eval_line(c, task, {"greedy_accuracy": 0.5}) == (
       "eval on 10 held-out problems: greedy_accuracy=0.500")
+  # trm.delta=0 masked every sequence and the run exited 0 without a word (the console
+  # line of a run that finishes; one that stalls stops naming why, test_train_resume.py).
+  c.trm.criteria, c.trm.delta = ("trm_max_kl",), 0.0
+  assert train.skip_line(c, {"steps": 5, "nonfinite": 1, "masked": 3}) == (
+      "updates skipped at 4 of the 5 steps run: 3 had every sequence masked (trm.criteria="
+      "('trm_max_kl',) with trm.delta=0); 1 had a non-finite loss or gradient. The policy "
+      "changed only at the other steps")
 
 
 # --- refused before the model loads ---------------------------------------------------------

@@ -269,7 +269,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
   wd.write_json_atomic(os.path.join(workdir, "summary.json"), result)
   print(format_summary(s))
   if skips["nonfinite"] or skips["masked"]:
-    print(_skip_summary(c, skips))
+    print(skip_line(c, skips))
   if "eval" in result:
     print(eval_line(c, task, result["eval"]))
   return result
@@ -369,12 +369,12 @@ def _zero_thresholds(c: ml_collections.ConfigDict) -> list[str]:
   return [k for k in keys if c.trm[k] == 0]
 
 
-def _skip_summary(c: ml_collections.ConfigDict, skips: dict) -> str:
+def skip_line(c: ml_collections.ConfigDict, skips: dict) -> str:
   """The console line for a run whose updates were skipped at some steps."""
   why = []
   if skips["masked"]:
     zero = _zero_thresholds(c)
-    why.append(f"{skips['masked']} had every sequence masked by TRM (trm.criteria="
+    why.append(f"{skips['masked']} had every sequence masked (trm.criteria="
                f"{tuple(c.trm.criteria)}" + (f" with {', '.join(f'trm.{k}=0' for k in zero)}"
                                              if zero else "") + ")")
   if skips["nonfinite"]:

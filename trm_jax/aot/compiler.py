@@ -172,7 +172,7 @@ def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence,
     mcfg = ModelConfig.from_hf(hf, dtype=programs_lib.DTYPES[c.model.dtype],
                                remat=c.model.remat)
   except ValueError as e:   # an unsupported or incomplete config.json: the user's input
-    raise ConfigError(str(e)) from e
+    raise ConfigError(f"the model's config.json: {e}") from e
   model = programs_lib.abstract_model(Decoder, mcfg, mesh)
   progs = programs_lib.build(c, model, mesh, None if sampler_mesh is mesh else sampler_mesh,
                              programs_lib.Sizes(P=P, R=R, eval_problems=c.eval_problems))
