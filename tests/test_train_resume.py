@@ -342,6 +342,7 @@ def test_a_full_disk_at_the_export_loses_nothing(tmp, reference, shared_run):
       f"rerun the same command once {hf} can be written, to export it")
   assert "Traceback" not in log
   assert _metrics(workdir) == _metrics(reference)
+  assert not os.path.exists(os.path.join(workdir, "summary.json"))
   _train(shared_run, workdir)
   assert os.path.exists(os.path.join(hf, "model.safetensors"))
   assert os.path.exists(os.path.join(workdir, "summary.json"))
