@@ -94,10 +94,14 @@ def _shape_error(e: dict) -> Optional[str]:
   for key in ("summary", "eval"):
     if not isinstance(s.get(key, {}), dict):
       return f"summary field {key!r} is {type(s[key]).__name__}, expected an object"
-  for name, ev in s.get("summary", {}).get("evals", {}).items():
-    if not (isinstance(ev, dict) and all(isinstance(ev.get(k), int)
-                                         for k in ("first_step", "last_step"))):
-      return f"summary evaluation {name!r} lacks its integer first_step / last_step"
+  evals = s.get("summary", {}).get("evals", {})
+  if not isinstance(evals, dict):
+    return f"summary evaluations are {type(evals).__name__}, expected an object"
+  for name, ev in evals.items():
+    if not (isinstance(ev, dict) and "first" in ev and all(
+        isinstance(ev.get(k), int) for k in ("first_step", "last_step"))):
+      return (f"summary evaluation {name!r} lacks its first value or its integer "
+              "first_step / last_step")
   for n, line in enumerate(e["metrics"].splitlines(), 1):
     if not line.strip():
       continue
