@@ -64,7 +64,27 @@ class Preempted(Exception):
     self.code = exit_code(signum)
 
 
-class StopOnSignal:
+class _Handlers:
+  """While entered, the subclass's `_handle(signum, frame)` handles SIGTERM and SIGINT; the
+  previous handlers come back on exit. Only in the main thread (Python allows no other);
+  elsewhere inert."""
+
+  _previous: dict
+
+  def __enter__(self):
+    self._previous = {}
+    if threading.current_thread() is threading.main_thread():
+      for s in SIGNALS:
+        self._previous[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, h in self._previous.items():
+      signal.signal(s, h)
+    self._previous = {}
+
+
+class StopOnSignal(_Handlers):
   """Context manager: SIGTERM and SIGINT request a stop; a second one exits at once.
 
     with StopOnSignal() as stop:
@@ -78,18 +98,6 @@ class StopOnSignal:
 
   def __init__(self):
     self.signum: Optional[int] = None   # the first signal received by this process
-    self._previous: dict = {}
-
-  def __enter__(self) -> "StopOnSignal":
-    if threading.current_thread() is threading.main_thread():
-      for s in SIGNALS:
-        self._previous[s] = signal.signal(s, self._handle)
-    return self
-
-  def __exit__(self, *exc) -> None:
-    for s, h in self._previous.items():
-      signal.signal(s, h)
-    self._previous = {}
 
   def _handle(self, signum, frame) -> None:
     del frame
@@ -119,7 +127,7 @@ class StopOnSignal:
     return got or None
 
 
-class Forward:
+class Forward(_Handlers):
   """Context manager for a process that runs others (the sweep runs its cells): SIGTERM and
   SIGINT to it (Ctrl-C, `kill`, `docker stop`, a pod's termination) reach its children once.
 
@@ -147,18 +155,6 @@ class Forward:
     self.at = 0.0                    # time of the first
     self.settle_s = settle_s
     self._sent: dict = {}            # child key -> signals it has had
-    self._previous: dict = {}
-
-  def __enter__(self) -> "Forward":
-    if threading.current_thread() is threading.main_thread():
-      for s in SIGNALS:
-        self._previous[s] = signal.signal(s, self._handle)
-    return self
-
-  def __exit__(self, *exc) -> None:
-    for s, h in self._previous.items():
-      signal.signal(s, h)
-    self._previous = {}
 
   def _handle(self, signum, frame) -> None:
     del frame
