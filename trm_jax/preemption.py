@@ -140,8 +140,8 @@ class Forward(_Handlers):
 
   Once armed, the first signal is recorded (`signum`, `at`) and forwarded to every running
   child, which finishes its step, checkpoints it and exits (`StopOnSignal`); a second one is
-  forwarded too (the children then exit at once). The children should run in sessions of
-  their own, so that a terminal's Ctrl-C reaches them only through here. A scheduler that
+  forwarded too (the children then exit at once). The children should run in process groups
+  of their own, so that a terminal's Ctrl-C reaches them only through here. A scheduler that
   signals every process of a job (SLURM, systemd) reaches them directly as well: a child whose
   `heard()` says it took the signal within `settle_s` is not sent a second copy, which would
   end it before it saved. Inert outside the main thread.

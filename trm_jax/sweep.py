@@ -273,8 +273,8 @@ def _write_cell(spec: str, cell: Cell, workdir: str) -> str:
 
 
 def _launch(spec: str, cell: Cell, workdir: str, env: dict) -> tuple[subprocess.Popen, int]:
-  """(the cell's process, the size of its log before it started). The cell runs in a session
-  of its own: signals reach it through the sweep (`preemption.Forward`), not from the
+  """(the cell's process, the size of its log before it started). The cell runs in a process
+  group of its own: signals reach it through the sweep (`preemption.Forward`), not from the
   terminal."""
   d = _write_cell(spec, cell, workdir)
   path = os.path.join(d, "log.txt")
