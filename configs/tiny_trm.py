@@ -39,6 +39,10 @@ def get_config(arg=None):
   c.plot = True                    # draw workdir/curves.png at the end (about 1.5 s: a sweep
                                    #   of many cells, whose runner plots them together, may
                                    #   turn it off)
+  c.compilation_cache = "~/.cache/trm_jax/xla"  # JAX's persistent compilation cache: a rerun
+                                   #   loads the programs it compiled before ("" = none;
+                                   #   JAX_COMPILATION_CACHE_DIR names another directory,
+                                   #   JAX_ENABLE_COMPILATION_CACHE=false turns it off)
 
   # Model
   c.model = ml_collections.ConfigDict()

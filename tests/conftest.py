@@ -34,6 +34,10 @@ import jax  # noqa: E402  (after the environment above)
 import pytest  # noqa: E402
 
 jax.devices()   # this process's backend starts now, with the flags above
+# The trainer turns on a persistent compilation cache in ~/.cache (train.compilation_cache);
+# trainers run in a test process must not, so this process has none. Trainer subprocesses
+# use the session's shared one (shared_run.env()) or, started without it, the default.
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 @pytest.fixture(scope="session")

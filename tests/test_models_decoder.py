@@ -273,3 +273,28 @@ def test_every_family_builds_a_model_of_the_protocol():
     hf = cfg.to_hf()
     assert hf["architectures"] == [fam.architecture]
     assert ModelConfig.from_hf(hf) == cfg
+
+
+@pytest.mark.parametrize("eq, x_shape, w_shape", [
+    ("BTD,DF->BTF", (4, 10, 16), (16, 24)),          # SwiGLU gate / up
+    ("BTF,FD->BTD", (4, 10, 24), (24, 16)),          # SwiGLU down
+    ("BTD,DNH->BTNH", (4, 10, 16), (16, 4, 8)),      # q / k / v
+])
+def test_learner_projections_are_the_plain_einsum_bitwise(eq, x_shape, w_shape):
+  """`project` merges the pass-through B, T dimensions for the learner (a layout choice for
+  XLA:CPU's backward pass): the forward and both gradients are the einsum's, bit for bit."""
+  from trm_jax.models.layers import project  # pylint: disable=g-import-not-at-top
+  kx, kw = jax.random.split(jax.random.key(0))
+  x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+
+  def value_and_grads(f):
+    return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), (0, 1)))(x, w)
+  (v, g), (v_ref, g_ref) = (value_and_grads(lambda x, w: project(eq, x, w, jnp.float32)),
+                            value_and_grads(lambda x, w: jnp.einsum(eq, x, w)))
+  np.testing.assert_array_equal(np.asarray(v), np.asarray(v_ref))
+  for a, b in zip(g, g_ref):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  y, y_ref = (jax.jit(lambda x, w: project(eq, x, w, jnp.float32))(x, w),
+              jax.jit(lambda x, w: jnp.einsum(eq, x, w))(x, w))
+  assert y.shape == y_ref.shape
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))

@@ -90,6 +90,31 @@ _ALLOW_CHANGE = flags.DEFINE_bool(
 # ------------------------------------------------------------------------------------------
 # Devices and faults
 # ------------------------------------------------------------------------------------------
+def compilation_cache(c: ml_collections.ConfigDict) -> Optional[str]:
+  """Turns on JAX's persistent compilation cache in `config.compilation_cache` (default
+  ~/.cache/trm_jax/xla) and returns the directory in use (None: no cache).
+
+  A rerun of the same programs (same config, shapes, devices and code) then loads each
+  compiled executable instead of compiling it: the main job's first step drops from tens of
+  seconds to the time it takes to trace and lower the programs (docs/results.md). JAX's own
+  settings win: JAX_COMPILATION_CACHE_DIR (or `jax_compilation_cache_dir`) names another
+  directory, JAX_ENABLE_COMPILATION_CACHE=false turns caching off, and "" here sets none.
+  Every program is cached however quickly it compiled (JAX's default skips those under 1 s,
+  which a rerun would compile again), unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says
+  otherwise. Entries are keyed by the compiled program itself, so a changed setting or code
+  change compiles anew."""
+  default = c.compilation_cache
+  if not jax.config.jax_enable_compilation_cache:
+    return None
+  path = jax.config.jax_compilation_cache_dir
+  if path is None and default:
+    path = os.path.expanduser(default)
+    jax.config.update("jax_compilation_cache_dir", path)
+  if path and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  return path
+
+
 def make_mesh(c: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, Optional[jax.sharding.Mesh]]:
   """(learner mesh, sampler mesh or None) from `config.mesh`.
 
@@ -158,6 +183,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
   """
   config_lib.validate(c)
   config_lib.check_task_files(c.task)
+  cache = compilation_cache(c)
   workdir = wd.prepare(workdir)
   # One trainer per workdir: the lock lives as long as this process (the kernel drops it on
   # SIGKILL). Process 0 holds it for a multi-process job.
@@ -167,9 +193,9 @@ def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
     with preemption.StopOnSignal() as stop:
       mesh, sampler_mesh = make_mesh(c)
       config_lib.check_batch_mesh(c, mesh, sampler_mesh)
-      log.info("mesh %s over %d devices, %d processes%s", dict(mesh.shape), mesh.size,
-               jax.process_count(), "" if sampler_mesh is None else
-               f"; sampler on its own {sampler_mesh.size} devices")
+      log.info("mesh %s over %d devices, %d processes%s; compilation cache %s",
+               dict(mesh.shape), mesh.size, jax.process_count(), "" if sampler_mesh is None
+               else f"; sampler on its own {sampler_mesh.size} devices", cache or "off")
       # Outside the mesh context: the warm-up is a process-local job (its arrays are not
       # global).
       base = (warmup.ensure_base_model(c, log=log.info) if jax.process_index() == 0 else
