@@ -60,6 +60,7 @@ Peers are imported from the `bench` extra's installs; nothing of theirs is copie
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -205,8 +206,10 @@ def _check_prompts(spec: dict, task, tok) -> None:
 
 def _ours_phased_step(ctx, state):
   """One rl_step's work phase by phase, with a barrier after each: (state, seconds per
-  phase). The phases are the step's own functions, in its order."""
+  phase). The phases are the step's own functions, in its order; with one update per batch
+  the scoring pass, the advantages and the update are one program ("learner")."""
   import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   from trm_jax import step as S  # pylint: disable=g-import-not-at-top
   c = ctx.c
   t = [time.time()]
@@ -216,20 +219,26 @@ def _ours_phased_step(ctx, state):
   rewards = S.rewards_of(ctx.tok, fl.ro, fl.problems, fl.pb.problem_ids,
                          ctx.task.max_prompt_len)
   t.append(time.time())
-  batch, seq_mask, _ = S.score_rollout(ctx, state.params, fl.ro)
-  jax.block_until_ready((batch, seq_mask))
-  t.append(time.time())
-  adv = S._group_advantages(rewards, group_size=c.rl.group_size,   # pylint: disable=protected-access
-                            normalize_std=c.rl.normalize_std, seq_mask=seq_mask,
-                            baseline=c.rl.baseline)
-  batch = batch.replace(advantages=S.shd.put_batch(adv, ctx.mesh))
-  jax.block_until_ready(batch)
-  t.append(time.time())
-  k_perm = S._step_keys(ctx.rng, state.step + 1)[1]   # pylint: disable=protected-access
-  params, opt_state, _ = S.run_updates(ctx, state, batch, k_perm, state.step + 1)
+  if "score_update" in ctx.programs.programs:
+    names = ("rollout", "rewards", "learner")
+    params, opt_state, _, _ = ctx.programs["score_update"](
+        state.params, state.opt_state, ctx.rest, S.learner_batch(ctx, fl.ro),
+        S.shd.put_batch(np.asarray(rewards), ctx.mesh))
+  else:
+    names = ("rollout", "rewards", "score", "advantages", "update")
+    batch, seq_mask, _ = S.score_rollout(ctx, state.params, fl.ro)
+    jax.block_until_ready((batch, seq_mask))
+    t.append(time.time())
+    adv = S._group_advantages(rewards, group_size=c.rl.group_size,   # pylint: disable=protected-access
+                              normalize_std=c.rl.normalize_std, seq_mask=seq_mask,
+                              baseline=c.rl.baseline)
+    batch = batch.replace(advantages=S.shd.put_batch(adv, ctx.mesh))
+    jax.block_until_ready(batch)
+    t.append(time.time())
+    k_perm = S._step_keys(ctx.rng, state.step + 1)[1]   # pylint: disable=protected-access
+    params, opt_state, _ = S.run_updates(ctx, state, batch, k_perm, state.step + 1)
   jax.block_until_ready((params, opt_state))
   t.append(time.time())
-  names = ("rollout", "rewards", "score", "advantages", "update")
   state = S.TrainState(params=params, opt_state=opt_state, step=state.step + 1,
                        data_pos=state.data_pos + c.rl.batch_size // c.rl.group_size)
   return state, {k: b - a for k, a, b in zip(names, t, t[1:])}
@@ -244,20 +253,25 @@ def _ours_limits(ctx, state, mcfg) -> dict:
   from bench import learner as learner_bench  # pylint: disable=g-import-not-at-top
   from trm_jax import step as S  # pylint: disable=g-import-not-at-top
   from trm_jax.aot import hlo_cost  # pylint: disable=g-import-not-at-top
-  update = ctx.programs["update"]
-  flops = hlo_cost.program_cost(update.lower().compile())["flops"]
+  name = "score_update" if "score_update" in ctx.programs.programs else "update"
+  program = ctx.programs[name]
+  flops = hlo_cost.program_cost(program.lower().compile())["flops"]
   fl = S.dispatch_rollout(ctx, state)
-  batch, _, _ = S.score_rollout(ctx, state.params, fl.ro)
+  if name == "update":
+    data = (S.score_rollout(ctx, state.params, fl.ro)[0],)
+  else:
+    data = (S.learner_batch(ctx, fl.ro), S.shd.put_batch(
+        np.zeros(fl.ro.tokens.shape[:1], np.float32), ctx.mesh))
   params, opt_state = jax.tree.map(jnp.copy, (state.params, state.opt_state))
   walls = []
   for _ in range(5):
     t = time.time()
-    params, opt_state, aux = update(params, opt_state, ctx.rest, batch)
+    params, opt_state, *aux = program(params, opt_state, ctx.rest, *data)
     jax.block_until_ready((params, opt_state, aux))
     walls.append(time.time() - t)
   peak = learner_bench.matmul_peak()
   upd_s = statistics.median(walls)
-  learner = dict(update_flops=flops, update_s=round(upd_s, 4),
+  learner = dict(program=name, flops=flops, seconds=round(upd_s, 4),
                  gflops_per_s=round(flops / upd_s / 1e9, 2), matmul_peak=peak,
                  fraction_of_peak=round(flops / upd_s / (peak["peak_gflops"] * 1e9), 4))
   # Decode: what the rollout's decode steps must read at least, from its own rows: every
@@ -366,6 +380,12 @@ def run_tunix(spec: dict) -> dict:
       rope_theta=int(hf.get("rope_parameters", hf).get("rope_theta", 10000)),
       norm_eps=hf["rms_norm_eps"], use_tied_embedding=hf["tie_word_embeddings"],
       dtype=jnp.float32, param_dtype=jnp.float32)
+  # Tunix 0.1.7's Qwen3 attention calls `apply_rope` without the config's rope_theta, so it
+  # always rotates with theta = 1e6: on this checkpoint (theta 1e4) that is another model, whose
+  # responses are shorter. Passing the checkpoint's theta makes it the same model as the
+  # others' (`tunix_parity` below); the cost of a step is the same either way.
+  tmodel.apply_rope = functools.partial(_TUNIX_ROPE.setdefault("fn", tmodel.apply_rope),
+                                        rope_theta=cfg.rope_theta)
   mesh = tmesh.create_mesh((1, 1), ("fsdp", "tp"))     # Tunix's own (auto-sharded axes)
   with mesh:
     model = tparams.create_model_from_safe_tensors(base, cfg, mesh=mesh, dtype=jnp.float32)
@@ -426,7 +446,27 @@ def run_tunix(spec: dict) -> dict:
   out = clock.result(tokens)
   out["phases"] = _phase_summary(phases[1:])
   out["versions"] = _versions("google-tunix")
+  with mesh:
+    fresh = tparams.create_model_from_safe_tensors(base, cfg, mesh=mesh, dtype=jnp.float32)
+  ids = jnp.asarray([spec["prompts"][0][0]["ids"]], jnp.int32)
+  T = ids.shape[1]
+  with jax.set_mesh(mesh):
+    logits, _ = fresh(ids, jnp.arange(T)[None], None, jnp.tril(jnp.ones((1, T, T), bool)))
+  out["tunix_parity"] = _parity(base, ids, logits)
   return out
+
+
+_TUNIX_ROPE = {}
+
+
+def _parity(base: str, ids, logits) -> dict:
+  """The largest |logit| difference between a peer's model and ours (whose parity with
+  transformers the test suite checks) on one prompt, both freshly loaded from `base`."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from trm_jax.models import from_pretrained  # pylint: disable=g-import-not-at-top
+  ours = from_pretrained(base, dtype=jnp.float32)(ids)
+  return {"max_abs_logit_diff": float(jnp.max(jnp.abs(ours - logits))),
+          "prompt_tokens": int(ids.shape[1])}
 
 
 def _versions(*packages) -> dict:
@@ -440,6 +480,7 @@ def _versions(*packages) -> dict:
 def run_trl(spec: dict) -> dict:
   clock = _Clock()
   import datasets  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   from trl import GRPOConfig, GRPOTrainer  # pylint: disable=g-import-not-at-top
@@ -501,6 +542,11 @@ def run_trl(spec: dict) -> dict:
   out["phases"] = _phase_summary(phases[1:])
   out["versions"] = {**_versions("trl", "transformers"), "torch": torch.__version__,
                      "torch_threads": torch.get_num_threads()}
+  fresh = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+  ids = spec["prompts"][0][0]["ids"]
+  with torch.no_grad():
+    logits = fresh(torch.tensor([ids])).logits.numpy()
+  out["trl_parity"] = _parity(base, np.asarray([ids]), logits)
   return out
 
 

@@ -160,7 +160,7 @@ def test_disaggregated_sampler_gets_its_devices_and_a_copy_in_its_dtype():
   roll_mesh = s.programs["rollout"].mesh
   assert [d.id for d in roll_mesh.devices.flat] == [devices[0].id]
   assert sorted(d.id for d in s.mesh.devices.flat) == sorted(d.id for d in devices[1:])
-  params = s.programs["update"].args[0]
+  params = s.programs["score_update"].args[0]   # one update per batch: scored inside it
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
   assert s.sync == {"bytes_per_rollout": 2 * n, "bytes_per_sampler_device": 2 * n,
@@ -221,10 +221,10 @@ def test_moe_config_with_routing_replay_compiles_every_program_for_v5e_2x4(tmp_p
   assert "model the warm-up base model's architecture (config.model.arch)" in r.stdout
   rep = json.loads(out.read_text())
   rows = {p["program"]: p for p in rep["programs"]}
-  assert list(rows) == ["rollout", "score", "update", "eval_greedy", "eval_sampled"]
+  assert list(rows) == ["rollout", "score_update", "eval_greedy", "eval_sampled"]
   assert rep["fits"] and rep["devices"] == 8 and rep["mesh"]["data"] == 8
   assert rows["eval_greedy"]["per"] == "evaluation" and rep["evaluation_roofline_s"] > 0
-  # The update's resident batch holds the routing record: int8 [B, L_moe, T, k] per row.
+  # The learner's batch holds the routing record: int8 [B, L_moe, T, k] per row.
   assert rep["config"]["rollout"]["routing_replay"] and rep["model"]["num_experts"] == 8
   # The sampler's decode loop exits on EOS: it is counted at its longest, R - 1 steps.
   assert (rep["R"] - 1, "assumed") in {(l["trips"], l["trips_source"])
@@ -308,7 +308,7 @@ def test_program_that_does_not_fit_exits_1_naming_its_knobs(tmp_path):
     (["--model", "/nonexistent/ckpt"], "error: no HF config.json at /nonexistent/ckpt "
      "(expected a checkpoint directory or a config.json file)"),
     (["--programs", "rollout,train"], "error: unknown programs ['train']; this config's trainer "
-     "runs ('rollout', 'score', 'update', 'eval_greedy', 'eval_sampled', "
+     "runs ('rollout', 'score_update', 'eval_greedy', 'eval_sampled', "
      "'eval_greedy_compressed', 'eval_sampled_compressed')"),
 ])
 def test_bad_input_is_one_line_naming_it(tmp_path, capsys, args, msg):

@@ -26,5 +26,7 @@ def test_smoke_writes_the_benchmark_json(shared_run, tmp_path):
   assert ours["tokens_per_s"] == pytest.approx(ours["response_tokens"][1] / ours["warm_s"],
                                                rel=1e-3)
   phases = ours["phases"]
-  assert set(phases["median_s"]) == {"rollout", "rewards", "score", "advantages", "update"}
+  # One update per batch: scoring, advantages and the update are one program.
+  assert set(phases["median_s"]) == {"rollout", "rewards", "learner"}
+  assert ours["compiled_programs"] == ["rollout", "score_update"]
   assert sum(phases["share"].values()) == pytest.approx(1.0, abs=0.01)

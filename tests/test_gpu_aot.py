@@ -137,7 +137,7 @@ def test_figures_and_target_config():
 
 
 def test_trainer_update_compiles_for_an_h200_node(mesh):
-  """The trainer's own update program (programs.build, through trm_jax.aot's builder) for
+  """The trainer's own learner program (programs.build, through trm_jax.aot's builder) for
   tiny_smd on 8 H200s: the SMD learner's Triton attention partitions itself onto each GPU's
   rows, and XLA:GPU assigns per-GPU buffers."""
   del mesh   # the fixture only decides whether the plugin is usable
@@ -150,8 +150,9 @@ def test_trainer_update_compiles_for_an_h200_node(mesh):
                                 "warmup.cache_dir": "/nonexistent"}.items())
   hf, _ = aot.resolve_model(c)
   s = aot.build(c, hf, gpu_aot.topology_devices("h200:8"), "gpu")
-  assert s.impl == "pallas" and sorted(s.programs.programs) == ["rollout", "score", "update"]
-  compiled = s.programs["update"].lower().compile()
+  # One update per batch: the learner is one program, scoring inside the update.
+  assert s.impl == "pallas" and sorted(s.programs.programs) == ["rollout", "score_update"]
+  compiled = s.programs["score_update"].lower().compile()
   hlo = compiled.as_text()
   assert "__gpu$xla.gpu.triton" in hlo
   B_dev = 16 // c.rl.num_minibatches // 8    # a minibatch's rows on each GPU

@@ -4,8 +4,9 @@ One real RL step and one evaluation run in-process on the session's tiny base mo
 every `Program` call recorded: the programs the trainer calls are exactly the ones
 `trm_jax.aot` builds for the same config, and every call's inputs have the shapes, dtypes and
 shardings of the abstract inputs AOT compiles (so AOT compiles the trainer's program, not a
-look-alike). Colocated with the evaluation's dense and compressed programs, and a sampler on
-its own devices with stale parameters (the programs whose inputs differ most).
+look-alike). Colocated with the evaluation's dense and compressed programs and two
+minibatches (separate score and update programs), and a sampler on its own devices with stale
+parameters and one update per batch (the learner's one `score_update` program).
 """
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,8 @@ def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch
     c.rollout.cache.policy, c.rollout.cache.ratio, c.smd.mode = "h2o", 0.5, "smd"
   else:
     c.mesh.rollout_devices, c.rl.staleness, c.rollout.dtype = 2, 1, "bfloat16"
-    c.eval_problems, c.rl.batch_size = 0, 24
+    # One update per batch: the step's learner is the one "score_update" program.
+    c.eval_problems, c.rl.batch_size, c.rl.num_minibatches = 0, 24, 1
   calls = []
   real_call = programs_lib.Program.__call__
 
@@ -81,6 +83,7 @@ def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch
   setup = aot.build(c, model.config.to_hf(), jax.devices())
   compiled = setup.programs.programs
   assert sorted({name for name, _ in calls}) == sorted(compiled)
+  assert ("score_update" in compiled) == (variant == "disaggregated_stale")
   for name, sig in calls:
     assert _spec(sig) == _spec(_signature(compiled[name].args)), name
 

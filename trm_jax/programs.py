@@ -12,6 +12,10 @@ compiles for a TPU slice) both call it, with real or abstract (`nnx.eval_shape`,
                           the frozen KL reference when rl.kl_beta > 0);
   update                  one minibatch update (microbatch scan, optimizer, SMD teacher),
                           rl.num_minibatches x rl.num_epochs per step;
+  score_update            instead of both when a batch gets one update (rl.num_minibatches =
+                          rl.num_epochs = rl.num_microbatches = 1, rl.kl_beta = 0): the
+                          scoring pass, the advantages and the update from one forward pass
+                          (rl.learner.make_score_update);
   eval_greedy             held-out evaluation, greedy, dense cache, learner dtype, in
                           calls of at most eval_batch_size rows;
   eval_sampled            eval_samples = k > 1: k samples per problem;
@@ -41,8 +45,10 @@ from trm_jax import sharding as shd
 from trm_jax.config import ConfigError
 from trm_jax.models.config import DTYPES
 from trm_jax.models.decoder import abstract_model as _abstract_decoder
+from trm_jax.rl import advantages as adv_lib
 from trm_jax.rl import modes, objectives, optim
-from trm_jax.rl.learner import LearnerBatch, LearnerConfig, make_learner
+from trm_jax.rl.learner import (LearnerBatch, LearnerConfig, make_learner, make_score_update,
+                                one_pass)
 from trm_jax.rollout import BatchingConfig, CacheConfig, sampler_graphdef, sampling_config
 from trm_jax.rollout.policies import get_policy
 from trm_jax.rollout.types import DENSE
@@ -67,6 +73,12 @@ MEMORY_KNOBS = {
                "rl.chunk (lower it: fewer positions per vocabulary projection)",
                "rl.num_minibatches (smaller minibatches)",
                "mesh.fsdp (shard parameters and AdamW state over more chips) / mesh.tensor"),
+    "score_update": ("rl.num_microbatches > 1 or rl.num_minibatches > 1 (separate score "
+                     "and update programs over fewer rows at a time)",
+                     "model.remat=True (recompute block activations in the backward pass)",
+                     "rl.chunk (lower it: fewer positions per vocabulary projection)",
+                     "mesh.fsdp (shard parameters and AdamW state over more chips) / "
+                     "mesh.tensor"),
 }
 
 
@@ -114,6 +126,13 @@ def cache_config(c: ml_collections.ConfigDict) -> CacheConfig:
   budget = ({"capacity": cc.capacity} if cc.capacity else {"ratio": cc.ratio})
   own = {k: cc[k] for k in get_policy(cc.policy).config_fields}
   return CacheConfig(policy=cc.policy, **own, **budget)
+
+
+def group_advantages(c: ml_collections.ConfigDict):
+  """(rewards [B], TRM's sequence mask [B]) -> [B] GRPO advantages with the config's group
+  size, std normalisation and baseline (rl.advantages.group_advantages)."""
+  return functools.partial(adv_lib.group_advantages, group_size=c.rl.group_size,
+                           normalize_std=c.rl.normalize_std, baseline=c.rl.baseline)
 
 
 def make_optimizer(c: ml_collections.ConfigDict):
@@ -200,6 +219,8 @@ class Programs:
   sampler_param_sh: Any = None   # disaggregated sampler: parameter shardings on its mesh
   sampler_rest_sh: Any = None    # and the non-parameter state's
   sent_params: Any = None        # what step.to_sampler copies there per rollout (abstract)
+  score_alone: Optional[Program] = None   # with "score_update": the scoring pass on its own,
+                                          #   which no step calls (analyses, tests)
 
   def __getitem__(self, name: str) -> Program:
     return self.programs[name]
@@ -334,6 +355,7 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
   lcfg = learner_config(c, max_len=R)
   score, update = make_learner(graphdef, tx, lcfg, response_start=P,
                                state_shardings=(param_sh, opt_sh))
+  fused = one_pass(lcfg, minibatches=c.rl.num_minibatches, epochs=c.rl.num_epochs)
 
   # --- sampler (pi_roll) ------------------------------------------------------------------
   roll = rollout_sampling(c, mcfg, R)
@@ -380,9 +402,19 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
                                rollout_batching(c)), roll_mesh,
       (nnx.merge_state(roll_params, roll_rest), *prompts(B, roll_mesh)),
       learner_resident if sampler_mesh is None else (), 1, loop_trips=R - 1)
-  add("score", score, mesh, (params_a, rest_a, full), learner_resident, 1 + kl)
-  add("update", update, mesh, (params_a, opt_a, rest_a, mb), (full, extra),
-      c.rl.num_minibatches * c.rl.num_epochs)
+  score_program = Program(name="score", fn=score, mesh=mesh, args=(params_a, rest_a, full),
+                          resident=learner_resident, calls=1 + kl)
+  if fused:
+    # One update per batch: scored inside it, from the update's own forward.
+    add("score_update", make_score_update(
+        graphdef, tx, lcfg, response_start=P, advantages=group_advantages(c),
+        state_shardings=(param_sh, opt_sh)), mesh,
+        (params_a, opt_a, rest_a, full, jax.ShapeDtypeStruct(
+            (B,), jnp.float32, sharding=shd.batch_sharding(mesh, (B,)))), extra, 1)
+  else:
+    programs["score"] = score_program
+    add("update", update, mesh, (params_a, opt_a, rest_a, mb), (full, extra),
+        c.rl.num_minibatches * c.rl.num_epochs)
 
   # --- held-out evaluation (step.evaluate): learner dtype, dense and compressed caches --------
   if sizes.eval_problems:
@@ -393,7 +425,8 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
                   param_sh=param_sh,
                   opt_sh=opt_sh, sampler_param_sh=sampler_param_sh,
                   sampler_rest_sh=sampler_rest_sh,
-                  sent_params=roll_params if sampler_mesh is not None else None)
+                  sent_params=roll_params if sampler_mesh is not None else None,
+                  score_alone=score_program if fused else None)
 
 
 def device_bytes(tree) -> int:

@@ -24,6 +24,9 @@ Who computes what (the TRM paper's setting: pi_roll != pi_theta):
   (5) GRPO advantages per group (the baseline may use TRM's mask: `rl.baseline`);
   (6) `update` per minibatch and epoch; an update with a non-finite loss or gradient, or with
       every sequence masked, is skipped and counted in `learner/skipped`.
+When the batch gets one update (one minibatch, epoch and microbatch, no KL reference), (4)-(6)
+are one program, `score_update`: the scoring is the update's own forward pass, detached
+(`rl.learner.make_score_update`).
 """
 from __future__ import annotations
 
@@ -84,7 +87,9 @@ class RLContext:
 
   @property
   def score(self) -> programs_lib.Program:    # learner scoring pass (rl.learner.make_learner)
-    return self.programs["score"]
+    # With one update per batch the step scores inside "score_update"; the pass on its own
+    # is still there for analyses.
+    return self.programs.score_alone or self.programs["score"]
 
   @property
   def update(self) -> programs_lib.Program:   # learner update (donates params and opt_state)
@@ -207,19 +212,32 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   rewards = rewards_of(ctx.tok, ro, problems, pb.problem_ids, task.max_prompt_len)
   t_roll = time.time() - t0
 
-  # --- (4) score: pi_theta (the current parameters) on the rollout, TRM mask and monitors -----
-  batch, seq_mask, metrics = score_rollout(ctx, state.params, ro)
+  # Fault injection (debug.nan_step): that step's advantages, so its loss and every gradient,
+  # are NaN.
+  nan = step == c.debug.nan_step
+  if "score_update" in ctx.programs.programs:
+    # --- (4)-(6) in one program: one update of the whole batch, scored from its forward ------
+    batch = learner_batch(ctx, ro)
+    adv_rewards = np.full_like(rewards, np.nan) if nan else rewards
+    with oom_hints("learner update"):
+      params, opt_state, aux, metrics = ctx.programs["score_update"](
+          state.params, state.opt_state, ctx.rest, batch, shd.put_batch(adv_rewards, ctx.mesh))
+    preemption.debug_point("update", step)   # test hook: a signal while updates run
+    upd = [aux]
+  else:
+    # --- (4) score: pi_theta (the current parameters) on the rollout, TRM mask, monitors ---
+    batch, seq_mask, metrics = score_rollout(ctx, state.params, ro)
 
-  # --- (5) advantages: GRPO, per group of rl.group_size rollouts of one prompt ---------------
-  adv = _group_advantages(rewards, group_size=c.rl.group_size,
-                          normalize_std=c.rl.normalize_std, seq_mask=seq_mask,
-                          baseline=c.rl.baseline)
-  if step == c.debug.nan_step:
-    adv = jnp.full_like(adv, jnp.nan)  # fault injection: the loss and every gradient are NaN
-  batch = batch.replace(advantages=shd.put_batch(adv, ctx.mesh))
+    # --- (5) advantages: GRPO, per group of rl.group_size rollouts of one prompt -----------
+    adv = _group_advantages(rewards, group_size=c.rl.group_size,
+                            normalize_std=c.rl.normalize_std, seq_mask=seq_mask,
+                            baseline=c.rl.baseline)
+    if nan:
+      adv = jnp.full_like(adv, jnp.nan)
+    batch = batch.replace(advantages=shd.put_batch(adv, ctx.mesh))
 
-  # --- (6) updates: rl.num_epochs passes of rl.num_minibatches minibatches -------------------
-  params, opt_state, upd = run_updates(ctx, state, batch, k_perm, step)
+    # --- (6) updates: rl.num_epochs passes of rl.num_minibatches minibatches ---------------
+    params, opt_state, upd = run_updates(ctx, state, batch, k_perm, step)
   next_state = _dispatch_next(ctx, TrainState(
       params=params, opt_state=opt_state, step=step, data_pos=state.data_pos + n_prompts,
       history=history))
@@ -237,21 +255,27 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   return next_state, metrics
 
 
-def score_rollout(ctx: RLContext, params, ro) -> tuple[LearnerBatch, jax.Array, dict]:
-  """(4): the rollout as the learner's batch on its devices, scored by pi_theta = `params`:
-  (batch with logp_old, token weights and the reference's log-probs filled in, TRM's
-  sequence mask [B], the score pass's metrics)."""
+def learner_batch(ctx: RLContext, ro) -> LearnerBatch:
+  """The rollout as the learner's batch on its devices (advantages, logp_old and token
+  weights are placeholders that scoring fills in)."""
   B, T = ro.tokens.shape
-  mode = ctx.lcfg.learner_mode
   # Onto the learner's devices first (the sampler's may be others), then computed on.
   batch = shd.put_batch(LearnerBatch(
       tokens=ro.tokens, segment_ids=ro.segment_ids, response_mask=ro.response_mask,
       logp_roll=ro.logp, advantages=np.zeros(B, np.float32), logp_old=ro.logp,
       token_weights=np.ones((B, T), np.float32),
-      evicted_at=ro.evicted_at if mode.replays_eviction else None,
+      evicted_at=ro.evicted_at if ctx.lcfg.learner_mode.replays_eviction else None,
       roll_logp_full=ro.full_logp, roll_topk_logp=ro.topk_logp, roll_topk_ids=ro.topk_ids,
       routed_experts=ro.routed_experts), ctx.mesh)
-  batch = batch.replace(response_mask=batch.response_mask.astype(jnp.float32))
+  return batch.replace(response_mask=batch.response_mask.astype(jnp.float32))
+
+
+def score_rollout(ctx: RLContext, params, ro) -> tuple[LearnerBatch, jax.Array, dict]:
+  """(4): the rollout as the learner's batch on its devices, scored by pi_theta = `params`:
+  (batch with logp_old, token weights and the reference's log-probs filled in, TRM's
+  sequence mask [B], the score pass's metrics)."""
+  mode = ctx.lcfg.learner_mode
+  batch = learner_batch(ctx, ro)
   with oom_hints("learner score pass"):
     logp_old, weights, seq_mask, metrics = ctx.score(params, ctx.rest, batch)
   batch = batch.replace(logp_old=logp_old, token_weights=weights)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -161,7 +161,13 @@ def _score(model: CausalLM, batch: LearnerBatch, cfg: LearnerConfig, P: int):
   """The scoring pass, (1)-(4) of the module docstring: (logp [B, T], token weights [B, T],
   sequence mask [B], metrics)."""
   terms, routing = _forward(model, batch, cfg, with_teacher=False, with_routing=True)
-  logp = jax.lax.stop_gradient(terms["logp"])
+  return _score_terms(terms, routing, batch, cfg, P)
+
+
+def _score_terms(terms: dict, routing, batch: LearnerBatch, cfg: LearnerConfig, P: int):
+  """(2)-(4) of the scoring pass from the forward's token terms (gradients stopped here)."""
+  terms = jax.tree.map(jax.lax.stop_gradient, terms)
+  logp = terms["logp"]
   seq_mask, _, metrics = _trm_mask(cfg, terms, batch)
   mask_r = batch.response_mask[:, P:]
   log_rho_r = (logp - batch.logp_roll)[:, P:] * mask_r
@@ -192,8 +198,13 @@ def _loss(model: CausalLM, mb: LearnerBatch, normalizer: jax.Array, cfg: Learner
   if cfg.kl_beta > 0 and mb.logp_ref is None:
     raise ValueError("LearnerConfig.kl_beta > 0 needs LearnerBatch.logp_ref (score the batch "
                      "with the reference parameters: score(ref_params, rest, batch)[0])")
+  return _loss_terms(_forward(model, mb, cfg, with_teacher=_distills(cfg)), mb, normalizer,
+                     cfg)
+
+
+def _loss_terms(terms: dict, mb: LearnerBatch, normalizer: jax.Array, cfg: LearnerConfig):
+  """(2)-(3) of the update from the forward's token terms (gradients flow from here)."""
   distill = _distills(cfg)
-  terms = _forward(model, mb, cfg, with_teacher=distill)
   seq_mask, token_mask, _ = _trm_mask(cfg, jax.tree.map(jax.lax.stop_gradient, terms), mb)
   # token-level criteria (the token_mask baseline) act through token_weights.
   weights = mb.token_weights * jnp.where(mb.response_mask > 0, token_mask, 0.0)
@@ -266,12 +277,66 @@ def make_learner(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=out_shardings)
   def update(params, opt_state, rest, mb: LearnerBatch):
-    norm = jnp.stack([
-        objectives.loss_normalizer(mb.response_mask, loss_agg=cfg.loss_agg, max_len=cfg.max_len),
-        jnp.maximum(jnp.sum(mb.response_mask), 1.0)])
     loss, grads, aux = optim.accumulate_gradients(
         lambda p, b, n: grad_fn(p, rest, b, n), params, mb,
-        num_microbatches=cfg.num_microbatches, normalizer=norm)
+        num_microbatches=cfg.num_microbatches, normalizer=_normalizer(mb, cfg))
     return _apply(tx, cfg, params, opt_state, grads, loss, aux)
 
   return score, update
+
+
+def _normalizer(mb: LearnerBatch, cfg: LearnerConfig) -> jax.Array:
+  """[the objective's N, the batch's response-token count] (`_loss`'s normalizer)."""
+  return jnp.stack([
+      objectives.loss_normalizer(mb.response_mask, loss_agg=cfg.loss_agg, max_len=cfg.max_len),
+      jnp.maximum(jnp.sum(mb.response_mask), 1.0)])
+
+
+def one_pass(cfg: LearnerConfig, *, minibatches: int, epochs: int) -> bool:
+  """Whether a rollout batch can be scored inside its update (`make_score_update`): one
+  update of the whole batch, one microbatch, no frozen reference to score."""
+  return minibatches == epochs == cfg.num_microbatches == 1 and cfg.kl_beta == 0
+
+
+def make_score_update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                      cfg: LearnerConfig, *, response_start: int,
+                      advantages: Callable[..., jax.Array],
+                      state_shardings: Optional[tuple] = None):
+  """jitted `score_update(params, opt_state, rest, batch, rewards)` -> (params, opt_state,
+  update metrics, score metrics): the scoring pass and the update of a batch that gets one
+  update (`one_pass`), from one forward pass.
+
+  With one update per batch, pi_theta before the update is the update's own pi_theta: the
+  scoring pass's forward is the update's forward under stop_gradient, so it is made once
+  (Tunix and TRL likewise take PPO's old log-probs from the update's forward when a batch is
+  used once). From that forward, detached, come what `score` returns: pi_theta's log-probs
+  (`logp_old`; PPO's ratio is then 1 up to the gradient), TRM's sequence mask against the
+  rollout's pi_roll, its monitors and the mode's token weights; then the advantages
+  (`advantages(rewards [B], seq_mask=[B]) -> [B]`, GRPO per group, so `rl.baseline="kept"`
+  sees the mask) and the update, whose TRM mask is recomputed from the same terms as always.
+  The batch is taken in rollout order (one minibatch has no order to shuffle)."""
+  P = response_start
+  mode = cfg.learner_mode
+
+  def loss(params, rest, batch, rewards, norm):
+    model = nnx.merge(graphdef, params, rest)
+    terms, routing = _forward(model, batch, cfg, with_teacher=_distills(cfg), with_routing=True)
+    logp_old, weights, seq_mask, score_metrics = _score_terms(terms, routing, batch, cfg, P)
+    mb = batch.replace(logp_old=logp_old, token_weights=weights,
+                       advantages=advantages(rewards, seq_mask=seq_mask))
+    if mode.ratio_to_learner:
+      mb = mb.replace(logp_roll=logp_old)   # as step.score_rollout does for a separate pass
+    value, aux = _loss_terms(terms, mb, norm, cfg)
+    return value, (aux, score_metrics)
+
+  grad_fn = jax.value_and_grad(loss, has_aux=True)
+  out_shardings = None if state_shardings is None else (*state_shardings, None, None)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=out_shardings)
+  def score_update(params, opt_state, rest, batch: LearnerBatch, rewards):
+    (value, (aux, score_metrics)), grads = grad_fn(params, rest, batch, rewards,
+                                                   _normalizer(batch, cfg))
+    params, opt_state, aux = _apply(tx, cfg, params, opt_state, grads, value, aux)
+    return params, opt_state, aux, score_metrics
+
+  return score_update
