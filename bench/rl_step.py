@@ -28,7 +28,7 @@ tokens, responses of at most 55), "long" is `configs/tiny_trm_long.py` (the same
 prompts of at most 71 tokens, responses of at most 263; the base's are 140-265).
 
 Each system runs in a process of its own, started for the measurement (so its first step pays
-for imports, model load and compilation as a user's does), for --steps steps (default 7):
+for imports, model load and compilation as a user's does), for --steps steps (default 6):
   warm_s            median seconds of the steps after the first (what a training loop pays);
   first_s           from the process's launch to the end of its first step: interpreter,
                     imports, model load, building the trainer, compilation and the step, with
@@ -690,6 +690,7 @@ def plot(result: dict, path: str) -> None:
       ax.scatter(["ours"], [r["ours"]["first_cached_s"]], marker="^", color="tab:red",
                  label="ours, first step of a rerun")
     ax.set_yscale("log")
+    ax.set_ylim(top=20 * max([*warm, *(r[s]["first_s"] for s in systems)]))
     ax.set_title(f"{shape}: {r['batch_size']} rollouts, <= {r['max_new_tokens']} new tokens",
                  fontsize=9)
     ax.set_ylabel("seconds per warm step (bars)")
@@ -703,7 +704,7 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
   ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
-  ap.add_argument("--steps", type=int, default=7,
+  ap.add_argument("--steps", type=int, default=6,
                   help="steps per system (the first, then the warm ones; >= 6)")
   ap.add_argument("--phase-steps", type=int, default=3,
                   help="ours: extra steps run phase by phase (the phase shares)")
