@@ -95,14 +95,15 @@ def compilation_cache(c: ml_collections.ConfigDict) -> Optional[str]:
   ~/.cache/trm_jax/xla) and returns the directory in use (None: no cache).
 
   A rerun of the same programs (same config, shapes, devices and code) then loads each
-  compiled executable instead of compiling it: the main job's first step drops from tens of
-  seconds to the time it takes to trace and lower the programs (docs/results.md). JAX's own
+  compiled executable instead of compiling it; what its first step still pays is tracing and
+  lowering every program, by which JAX keys the cache (docs/architecture.md, "What a step
+  costs, and the cache"). JAX's own
   settings win: JAX_COMPILATION_CACHE_DIR (or `jax_compilation_cache_dir`) names another
   directory, JAX_ENABLE_COMPILATION_CACHE=false turns caching off, and "" here sets none.
   Every program is cached however quickly it compiled (JAX's default skips those under 1 s,
   which a rerun would compile again), unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says
-  otherwise. Entries are keyed by the compiled program itself, so a changed setting or code
-  change compiles anew."""
+  otherwise. An entry's key is the lowered program and its compile options, so a changed
+  setting, shape or line of code compiles anew, never reuses a stale program."""
   default = c.compilation_cache
   if not jax.config.jax_enable_compilation_cache:
     return None

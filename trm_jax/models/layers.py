@@ -16,7 +16,9 @@ one rounding to the compute dtype. That is the arithmetic XLA uses for a bf16 ma
 said this way XLA:CPU keeps bf16 weights in bf16 (otherwise it converts every bf16 weight to fp32
 once per call and the decode loop reads twice the bytes), and the attention output is
 contracted as one [N*H] dimension so no weight is re-laid-out inside the loop. The learner's
-forward (no policy) keeps the plain einsums, so its backward pass is unchanged.
+forward (no policy) computes the same einsums with the pass-through B, T dimensions merged into
+one (`_flat_rows`: bitwise the same forward and gradients, without the transposed copies
+XLA:CPU makes for a weight gradient contracted over two dimensions).
 """
 from __future__ import annotations
 
@@ -82,8 +84,9 @@ def _flat_rows(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
   weight gradient contracts x and the output's cotangent over the pass-through dimensions,
   and with two of them XLA:CPU materialises a transposed copy of the [B, T, F] activation (or
   its cotangent) first, a strided copy that cost more than the matmuls around it; contracted
-  over one dimension the dot reads both operands as they are. The learner's update at the main
-  job's shape ran 2.7x faster per SwiGLU block (bench.rl_step)."""
+  over one dimension the dot reads both operands as they are. A SwiGLU block's forward and
+  backward at the main job's learner shape (64 x 78 rows, D 128, F 384) took 2.7x less CPU
+  time this way on a 2-core Intel Xeon."""
   lhs, rest = eq.split(",")
   rhs, out = rest.split("->")
   n = 0
