@@ -92,12 +92,15 @@ def shape_config(name: str, overrides: dict):
   return c
 
 
-def make_spec(name: str, overrides: dict, steps: int) -> dict:
+def make_spec(name: str, overrides: dict, steps: int, phase_steps: int = 0) -> dict:
   """Everything a worker needs: the base model, the sizes and each step's prompts (as the
-  trainer's Task draws them, so ours and the peers see the same problems in the same order)."""
+  trainer's Task draws them, so ours and the peers see the same problems in the same order).
+  Every worker of ours trains with total_steps = steps + phase_steps (the learning-rate
+  schedule is part of the update program: a rerun with another one would compile anew)."""
   from trm_jax import warmup  # pylint: disable=g-import-not-at-top
   from trm_jax.data import Task, load_tokenizer  # pylint: disable=g-import-not-at-top
-  c = shape_config(name, {"total_steps": steps, **overrides})
+  overrides = {"total_steps": steps + phase_steps, **overrides}
+  c = shape_config(name, overrides)
   base = warmup.ensure_base_model(c, log=lambda m: print(m, flush=True))
   tok = load_tokenizer(base)
   task = Task(c.task, seed=c.seed, tokenizer=tok, eval_problems=0)
@@ -160,8 +163,7 @@ def run_ours(spec: dict, *, phase_steps: int = 0, limits: bool = False) -> dict:
   from trm_jax import train  # pylint: disable=g-import-not-at-top
   from trm_jax.data import Task, load_tokenizer  # pylint: disable=g-import-not-at-top
   from trm_jax.models import from_pretrained  # pylint: disable=g-import-not-at-top
-  c = shape_config(spec["config"], {"total_steps": spec["steps"] + phase_steps,
-                                    **spec["overrides"]})
+  c = shape_config(spec["config"], spec["overrides"])
   train.compilation_cache(c)
   mesh, sampler_mesh = train.make_mesh(c)
   out = {}
@@ -244,8 +246,9 @@ def _ours_phased_step(ctx, state):
 
 
 def _ours_limits(ctx, state, mcfg) -> dict:
-  """The learner's fraction of the fp32 matmul peak and the sampler's decode against the
-  memory-bandwidth roofline, both measured now (module docstring)."""
+  """The learner's fraction of the fp32 matmul peak, the sampler's decode against the
+  memory-bandwidth roofline (both measured now: module docstring), and what tracing and
+  lowering the step's programs costs."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -273,7 +276,7 @@ def _ours_limits(ctx, state, mcfg) -> dict:
   learner = dict(program=name, flops=flops, seconds=round(upd_s, 4),
                  gflops_per_s=round(flops / upd_s / 1e9, 2), matmul_peak=peak,
                  fraction_of_peak=round(flops / upd_s / (peak["peak_gflops"] * 1e9), 4))
-  # Decode: what the rollout's decode steps must read at least, from its own rows: every
+  # Decode: what a rollout's decode steps must read at least, from its own rows: every
   # parameter once per decode step (in the sampler's dtype), and at each decode query of
   # each row the keys and values it attends, over the memory bandwidth. A row of n response
   # tokens has n - 1 decode queries (the first token comes from the prefill), the j-th
@@ -301,7 +304,16 @@ def _ours_limits(ctx, state, mcfg) -> dict:
                 memory_bandwidth=bw, rollout_over_roofline=round(ratio, 2),
                 seconds_per_decode_step=round(statistics.median(
                     r["rollout_s"] / r["decode_steps"] for r in rows), 6))
-  return dict(learner=learner, decode=decode)
+  # What a rerun's first step pays before its cache lookups: tracing and lowering every
+  # program of the step (JAX keys its persistent cache by the lowered module), timed from
+  # empty in-memory caches, as in a new process.
+  jax.clear_caches()
+  trace = {}
+  for p in ctx.programs:
+    t = time.time()
+    p.lower()
+    trace[p.name] = round(time.time() - t, 3)
+  return dict(learner=learner, decode=decode, trace_and_lower_s=trace)
 
 
 def memory_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> dict:
@@ -618,11 +630,11 @@ def launch(system: str, spec_path: str, workdir: str, *, cache_dir, steps: int =
 
 def run_shape(shape: str, name: str, overrides: dict, systems, *, steps: int,
               phase_steps: int, workdir: str) -> dict:
-  spec = make_spec(name, overrides, steps)
+  spec = make_spec(name, overrides, steps, phase_steps)
   spec_path = os.path.join(workdir, f"spec_{shape}.json")
   with open(spec_path, "w") as f:
     json.dump(spec, f)
-  out = {"config": f"configs/{name}.py", "overrides": overrides,
+  out = {"config": f"configs/{name}.py", "overrides": spec["overrides"],
          "batch_size": spec["batch_size"], "group_size": spec["group_size"],
          "max_prompt_len": spec["max_prompt_len"], "max_new_tokens": spec["max_new_tokens"],
          "steps": steps}
@@ -746,7 +758,7 @@ def main(argv=None):
   machine = hygiene.machine()
   t0 = time.time()
   if args.smoke:
-    spec = make_spec(SHAPES["main"], {**SMOKE_OVERRIDES, **overrides}, 2)
+    spec = make_spec(SHAPES["main"], {**SMOKE_OVERRIDES, **overrides}, 2, 1)
     shapes = {"smoke": {"ours": run_ours(spec, phase_steps=1)}}
   else:
     shapes = {}
