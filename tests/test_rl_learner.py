@@ -1,5 +1,6 @@
 """The learner step end to end on a tiny model: on-policy scoring, exact microbatch
-accumulation, an all-masked batch is a no-op, and the reference-policy KL is wired."""
+accumulation, an all-masked batch is a no-op, the reference-policy KL is wired, and a batch
+that gets one update is scored inside it (`make_score_update`) as the two passes would."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,3 +102,51 @@ def test_reference_kl_is_wired(setup):
   diff = max(float(jnp.max(jnp.abs(a - c)))
              for a, c in zip(jax.tree.leaves(new_kl), jax.tree.leaves(new_0)))
   assert diff > 1e-6
+
+
+@pytest.mark.parametrize("objective,mode,baseline", [
+    ("ppo_clip", "off", "kept"),               # PPO's ratio against logp_old; the mask's baseline
+    ("trm_surrogate", "sparse_rl", "all"),     # token weights; ratio against the learner's own
+])
+def test_score_update_is_the_score_pass_then_the_update(setup, objective, mode, baseline):
+  """One update per batch: `make_score_update` computes what scoring the batch, making the
+  advantages from its mask and updating once compute separately (up to fp32 rounding of
+  another program), on a policy that has moved from pi_roll so that TRM rejects some
+  sequences but not all."""
+  import functools  # pylint: disable=g-import-not-at-top
+  from trm_jax.rl.advantages import group_advantages  # pylint: disable=g-import-not-at-top
+  from trm_jax.rl.learner import make_score_update  # pylint: disable=g-import-not-at-top
+  graphdef, params, rest, batch = setup
+  moved = jax.tree.map(lambda x: x + 0.02 * jax.random.normal(jax.random.key(5), x.shape),
+                       params)
+  cfg = LearnerConfig(objective=objective, mode=mode, criteria=("trm_max_kl",),
+                      thresholds=(("delta", 0.036),),
+                      objective_kwargs=(("clip_eps_low", 0.2), ("clip_eps_high", 0.2),
+                                        ("dual_clip_c", 3.0)) if objective == "ppo_clip"
+                      else ())
+  tx = optax.adam(1e-2)
+  advantages = functools.partial(group_advantages, group_size=4, normalize_std=True,
+                                 baseline=baseline)
+  rewards = jnp.asarray([1, 0, 0, 1, 1, 1, 0, 0], jnp.float32)
+  score, update = make_learner(graphdef, tx, cfg, response_start=P)
+  logp_old, weights, seq_mask, metrics = score(moved, rest, batch)
+  assert 0 < float(metrics["trm/reject_rate"]) < 1     # the mask matters to the advantages
+  b = batch.replace(logp_old=logp_old, token_weights=weights,
+                    advantages=advantages(rewards, seq_mask=seq_mask))
+  if cfg.learner_mode.ratio_to_learner:
+    b = b.replace(logp_roll=logp_old)
+  new, opt, aux = update(_copy(moved), tx.init(moved), rest, b)
+  fused = make_score_update(graphdef, tx, cfg, response_start=P, advantages=advantages)
+  new_f, opt_f, aux_f, metrics_f = fused(_copy(moved), tx.init(moved), rest, batch, rewards)
+  assert sorted(metrics_f) == sorted(metrics) and sorted(aux_f) == sorted(aux)
+  for k in metrics:
+    np.testing.assert_allclose(float(metrics_f[k]), float(metrics[k]), rtol=1e-4, atol=1e-6,
+                               err_msg=k)
+  for k in aux:
+    np.testing.assert_allclose(float(aux_f[k]), float(aux[k]), rtol=1e-4, atol=1e-6, err_msg=k)
+  step = max(float(jnp.max(jnp.abs(a - c))) for a, c in zip(jax.tree.leaves(new),
+                                                            jax.tree.leaves(moved)))
+  assert step > 1e-3                                   # the update moved the parameters
+  for a, c in zip(jax.tree.leaves(new_f) + jax.tree.leaves(opt_f),
+                  jax.tree.leaves(new) + jax.tree.leaves(opt)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-6)
