@@ -19,9 +19,12 @@ rate, one update per batch and no KL term:
           in fp32 and trains PPO-clip);
   tunix   Tunix 0.1.7's `GRPOLearner` (the `bench` extra): vanilla rollout engine on the
           actor's own mesh, `num_iterations=1`, `beta=0`, its Qwen3 loaded by its own
-          safetensors loader, AdamW;
+          safetensors loader, AdamW. Its Qwen3 attention ignores the config's rope_theta
+          (always 1e6); the bench passes the checkpoint's, or Tunix would run another model;
   trl     TRL 1.16's `GRPOTrainer` on torch CPU (transformers `generate`), `num_iterations=1`,
           `beta=0`, `steps_per_generation=1`, AdamW.
+Each peer's model is checked against ours on one prompt (`tunix_parity`, `trl_parity`: the
+largest logit difference, both freshly loaded).
 
 Shapes: "main" is `configs/tiny_trm.py` (64 rollouts = 8 prompts x 8, prompts of at most 23
 tokens, responses of at most 55), "long" is `configs/tiny_trm_long.py` (the same batch,
@@ -36,7 +39,8 @@ for imports, model load and compilation as a user's does), for --steps steps (de
                     empty directory);
   first_cached_s    ours only, the same in a second process whose persistent compilation cache
                     the first one filled (the trainer keeps one under ~/.cache by default);
-  startup_s, first_step_s   the two parts of first_s (up to the first step's start; the step);
+  startup_s, first_step_s   the two parts of first_s (up to the first step's start; the step;
+                    first_cached_step_s and cached_startup_s for the rerun);
   tokens_per_s      response tokens (sampled tokens up to and including EOS) of the warm steps
                     over their seconds;
   phases            where a warm step's time goes, as each system exposes it: ours from extra
@@ -46,14 +50,18 @@ for imports, model load and compilation as a user's does), for --steps steps (de
 Each worker records the load and the CPU time other processes used while it ran
 (`bench.hygiene`); a contended worker is flagged, not dropped (the JSON says so).
 
-The limits the trainer's speed is held against (see `limits` in the JSON):
-  learner   the update program's FLOPs (`hlo_cost.program_cost`, loops counted per trip) at the
-            shape's batch over its median wall time, against this CPU's fp32 matmul peak
+The limits the trainer's speed is held against (`limits` of ours, measured in the rerun's
+process after its steps):
+  learner   the learner program's FLOPs (`hlo_cost.program_cost`, loops counted per trip) at
+            the shape's batch over its median wall time, against this CPU's fp32 matmul peak
             measured in the same run (`bench.learner.matmul_peak`);
-  decode    the sampler's seconds per decode step (decode steps counted by the sampler) against
-            the bytes one step must read (every parameter in the sampler's dtype plus the live
-            KV cache of every decoding slot) over this machine's memory bandwidth, measured in
-            the same run as the best of a few large array copies (read + write).
+  decode    a rollout's seconds (prefill included) against the bytes its decode steps must
+            read at least: every parameter, in the sampler's dtype, once per decode step, and
+            at each decode query the keys and values it attends; over this machine's memory
+            bandwidth, measured in the same run (the best read + write rate of one pass over a
+            256 MiB array, by numpy and by XLA:CPU);
+  trace_and_lower_s   per program, what tracing and lowering it costs from empty in-memory
+            caches: what a rerun's first step pays before its persistent-cache lookups.
 
 Peers are imported from the `bench` extra's installs; nothing of theirs is copied here.
 """
