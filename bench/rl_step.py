@@ -684,9 +684,13 @@ def goals(shapes: dict) -> dict:
       out[f"{shape}: warm step >= {goal:g}x {peer}"] = None if r is None else bool(r >= goal)
     frac = get(shape, "ours", "limits", "learner", "fraction_of_peak")
     out[f"{shape}: learner >= 0.5 of fp32 matmul peak"] = None if frac is None else frac >= 0.5
-  first, warm = get("main", "ours", "first_cached_step_s"), get("main", "ours", "warm_s")
-  out["main: first step of a rerun <= 2x warm"] = (None if first is None or not warm
-                                                  else bool(first <= 2 * warm))
+  # The goal is the rerun's first_cached_s (from the process's launch); its step alone
+  # (first_cached_step_s, without interpreter, imports and model load) is reported beside it.
+  warm = get("main", "ours", "warm_s")
+  for key, what in (("first_cached_s", "from launch"), ("first_cached_step_s", "step alone")):
+    first = get("main", "ours", key)
+    out[f"main: first step of a rerun ({what}) <= 2x warm"] = (
+        None if first is None or not warm else bool(first <= 2 * warm))
   for shape in shapes:
     ours, tunix = get(shape, "ours", "first_s"), get(shape, "tunix", "first_s")
     out[f"{shape}: first_s below Tunix's"] = (None if ours is None or tunix is None
@@ -732,6 +736,14 @@ def plot(result: dict, path: str) -> None:
   plt.close(fig)
 
 
+def _uptime() -> str:
+  """`uptime`'s line (the load of this shared machine, as an operator reads it)."""
+  try:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError) as e:
+    return f"uptime unavailable: {e}"
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -764,6 +776,7 @@ def main(argv=None):
   from trm_jax import sweep  # pylint: disable=g-import-not-at-top
   overrides = sweep.parse_sets(args.set)
   machine = hygiene.machine()
+  uptime = _uptime()
   t0 = time.time()
   if args.smoke:
     spec = make_spec(SHAPES["main"], {**SMOKE_OVERRIDES, **overrides}, 2, 1)
@@ -776,7 +789,7 @@ def main(argv=None):
                                   steps=args.steps, phase_steps=args.phase_steps,
                                   workdir=workdir)
   result = {"load_avg": machine["load_average"], "load_avg_end": [
-                round(x, 2) for x in os.getloadavg()],
+                round(x, 2) for x in os.getloadavg()], "uptime": uptime, "uptime_end": _uptime(),
             "cpu": machine["cpu"], "machine": machine, "wall_s": round(time.time() - t0, 1),
             "shapes": shapes}
   if not args.smoke:
