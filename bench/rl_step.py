@@ -637,7 +637,9 @@ def launch(system: str, spec_path: str, workdir: str, *, cache_dir, steps: int =
 
 
 def run_shape(shape: str, name: str, overrides: dict, systems, *, steps: int,
-              phase_steps: int, workdir: str) -> dict:
+              phase_steps: int, workdir: str, report=lambda part: None) -> dict:
+  """The shape's results by system; `report(part)` after each system (the JSON is rewritten
+  then, so a stopped run keeps what it measured)."""
   spec = make_spec(name, overrides, steps, phase_steps)
   spec_path = os.path.join(workdir, f"spec_{shape}.json")
   with open(spec_path, "w") as f:
@@ -649,6 +651,7 @@ def run_shape(shape: str, name: str, overrides: dict, systems, *, steps: int,
   for system in systems:
     if system != "ours":
       out[system] = launch(system, spec_path, workdir, cache_dir=None)
+      report(_with_speedups(out, systems))
       continue
     cache = tempfile.mkdtemp(prefix="xla_cache_", dir=workdir)
     ours = launch("ours", spec_path, workdir, cache_dir=cache, phase_steps=phase_steps)
@@ -660,7 +663,14 @@ def run_shape(shape: str, name: str, overrides: dict, systems, *, steps: int,
                   cached_startup_s=cached["startup_s"], limits=cached.get("limits"),
                   cached_probe=cached["probe"])
     out["ours"] = ours
-  warm = {s: out[s].get("warm_s") for s in systems if "error" not in out[s]}
+    report(_with_speedups(out, systems))
+  return _with_speedups(out, systems)
+
+
+def _with_speedups(out: dict, systems) -> dict:
+  """The shape's results with each peer's warm and first-step seconds over ours."""
+  out = dict(out)
+  warm = {s: out[s].get("warm_s") for s in systems if s in out and "error" not in out[s]}
   if warm.get("ours"):
     out["speedup_warm"] = {s: round(w / warm["ours"], 2) for s, w in warm.items()
                            if s != "ours" and w}
@@ -778,25 +788,30 @@ def main(argv=None):
   machine = hygiene.machine()
   uptime = _uptime()
   t0 = time.time()
+
+  def write(shapes: dict) -> dict:
+    result = {"load_avg": machine["load_average"], "load_avg_end": [
+                  round(x, 2) for x in os.getloadavg()], "uptime": uptime,
+              "uptime_end": _uptime(), "cpu": machine["cpu"], "machine": machine,
+              "wall_s": round(time.time() - t0, 1), "shapes": shapes}
+    if not args.smoke:
+      result["goals"] = goals(shapes)
+      plot(result, os.path.splitext(args.out)[0] + ".png")
+    hygiene.write_json(result, args.out)
+    return result
+
   if args.smoke:
     spec = make_spec(SHAPES["main"], {**SMOKE_OVERRIDES, **overrides}, 2, 1)
-    shapes = {"smoke": {"ours": run_ours(spec, phase_steps=1)}}
+    result = write({"smoke": {"ours": run_ours(spec, phase_steps=1)}})
   else:
     shapes = {}
     with tempfile.TemporaryDirectory(prefix="rl_step_") as workdir:
       for shape in args.shapes:
-        shapes[shape] = run_shape(shape, SHAPES[shape], overrides, args.systems,
-                                  steps=args.steps, phase_steps=args.phase_steps,
-                                  workdir=workdir)
-  result = {"load_avg": machine["load_average"], "load_avg_end": [
-                round(x, 2) for x in os.getloadavg()], "uptime": uptime, "uptime_end": _uptime(),
-            "cpu": machine["cpu"], "machine": machine, "wall_s": round(time.time() - t0, 1),
-            "shapes": shapes}
-  if not args.smoke:
-    result["goals"] = goals(shapes)
-  hygiene.write_json(result, args.out)
-  if not args.smoke:
-    plot(result, os.path.splitext(args.out)[0] + ".png")
+        shapes[shape] = run_shape(
+            shape, SHAPES[shape], overrides, args.systems, steps=args.steps,
+            phase_steps=args.phase_steps, workdir=workdir,
+            report=lambda part, shape=shape: write({**shapes, shape: part}))
+        result = write(shapes)
   print(json.dumps(result.get("goals", {}), indent=1))
 
 
