@@ -1,7 +1,7 @@
 r"""One whole GRPO step, here and in the two codebases a researcher would pick instead.
 
   python -m bench.rl_step                  # both shapes, three systems: bench/results/rl_step.json
-                                           #   and rl_step.png (about 40 minutes on 2 CPU cores)
+                                           #   and rl_step.png (about 10 minutes on 2 CPU cores)
   python -m bench.rl_step --shapes main --systems ours tunix
   python -m bench.rl_step --smoke          # one warm step of ours at a tiny shape (the test)
 
