@@ -127,8 +127,9 @@ def get_config(arg=None):
   c.rl.num_minibatches = 1         # optimizer steps per rollout batch, per epoch
   c.rl.num_epochs = 1
   c.rl.num_microbatches = 1        # gradient accumulation inside a minibatch
-  c.rl.objective = "trm_surrogate"  # trm_surrogate | ppo_clip | tis (token masking is the
-                                   #   trm.criteria entry "token_mask")
+  c.rl.objective = "trm_surrogate"  # trm_surrogate | ppo_clip | tis | gspo | cispo (token
+                                   #   masking is the trm.criteria entry "token_mask"; the
+                                   #   papers and usual settings: docs/algorithms.md)
   c.rl.loss_agg = "seq-mean-token-sum"  # the TRM surrogate E[M A sum_t rho_t]
   c.rl.normalize_std = True        # GRPO std normalisation (False: Dr.GRPO-style)
   c.rl.baseline = "all"            # GRPO group baseline: "all" rollouts, or only the TRM-kept
@@ -137,7 +138,28 @@ def get_config(arg=None):
   c.rl.clip_eps_high = 0.2         # ppo_clip
   c.rl.dual_clip_c = 3.0           # ppo_clip dual clip
   c.rl.tis_cap = 2.0               # tis truncation C
+  c.rl.gspo_clip_eps_low = 3e-4    # gspo's clip of the sequence ratio s = exp(mean_t log r):
+  c.rl.gspo_clip_eps_high = 4e-4   #   the GSPO paper's 3e-4 / 4e-4 (a geometric mean of
+                                   #   ratios sits far closer to 1 than one token's)
+  c.rl.cispo_clip_eps_low = 1.0    # cispo's clip of its gradient-free IS weight: 1.0 = no lower
+                                   #   bound (MiniMax-M1)
+  c.rl.cispo_clip_eps_high = 4.0   #   weight capped at 1 + 4 = 5 (ScaleRL's epsilon_max)
   c.rl.chunk = 64                  # positions per vocabulary projection in the learner
+  # DAPO (Yu et al. 2025; docs/algorithms.md):
+  c.rl.dynamic_sampling = False    # drop groups whose rewards are all equal (no GRPO signal) and
+                                   #   roll out more prompts until rl.batch_size rows have one
+                                   #   (dapo/fill_rate); the data position advances by every
+                                   #   prompt rolled out
+  c.rl.dynamic_sampling_max_rounds = 4  # rollout calls per step at most (the batch, then
+                                   #   top-ups of the missing groups); groups still missing
+                                   #   stay in the batch as padding, out of the loss
+  c.rl.overlong_buffer = 0         # soft overlong punishment: a penalty growing linearly over
+                                   #   the last this many tokens before task.max_new_tokens
+                                   #   (0 = off; DAPO: 4096 of 20480)
+  c.rl.overlong_penalty = 1.0      # the penalty at task.max_new_tokens (DAPO: 1.0)
+  c.rl.mask_truncated = False      # responses cut at task.max_new_tokens leave the loss but keep
+                                   #   their reward in the group's baseline (DAPO's overlong
+                                   #   filtering)
   c.rl.kl_beta = 0.0               # k3 KL penalty to the frozen starting policy (0 = off)
   c.rl.staleness = 0               # k: rollout batch t samples with the parameters after update
                                    #   t - 1 - k (0 = synchronous; k > 0 overlaps the next
@@ -159,6 +181,9 @@ def get_config(arg=None):
   c.trm.delta_w = 0.05             # LN-TRM
   c.trm.delta_ser = 0.1            # SER
   c.trm.tau = 0.5                  # token_mask criterion: drop tokens with |log rho| > tau
+  c.trm.seq_mis_cap = 2.0          # seq_mis: reject when prod_t rho_t > cap (verl's default)
+  c.trm.geo_mean_tau = 0.001       # geo_mean: reject when |mean_t log rho_t| > tau (verl's
+                                   #   geo_rs bounds 0.999 / 1.001 on exp(mean_t log rho_t))
 
   # SMD
   c.smd = ml_collections.ConfigDict()

@@ -188,7 +188,7 @@ def test_cli_rejects_inconsistent_batch_before_any_work(tmp_path):
     ("optim.lr", float("nan"), "bad config value [optim.lr]: must be a finite number >= 0, "
      "got nan"),
     ("rl.objective", "grpo", "bad config value [rl.objective]: unknown value 'grpo'; expected "
-     "one of ppo_clip, tis, trm_surrogate"),
+     "one of cispo, gspo, ppo_clip, tis, trm_surrogate"),
     ("rl.objective", "token_mask", "unknown value 'token_mask'"),   # a trm.criteria entry now
     ("rl.loss_agg", "mean", "bad config value [rl.loss_agg]: unknown value 'mean'; expected "
      "one of token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"),
@@ -249,6 +249,14 @@ def test_validate_names_the_key(key, value, msg):
     ({"rl.objective": "tis", "rl.tis_cap": 0.0},
      "bad config value [rl.tis_cap]: must be >= 1 (rl.objective='tis'; a cap below 1 "
      "down-weights on-policy tokens), got 0.0"),
+    # Each registry entry checks its own settings (its `check`), named by their keys.
+    ({"rl.objective": "gspo", "rl.gspo_clip_eps_low": 1.0},
+     "bad config value [rl.gspo_clip_eps_low]: must be in [0, 1) (rl.objective='gspo'), got 1.0"),
+    ({"rl.objective": "cispo", "rl.cispo_clip_eps_high": -0.5},
+     "bad config value [rl.cispo_clip_eps_high]: must be >= 0 (rl.objective='cispo'), got -0.5"),
+    ({"trm.criteria": ("seq_mis",), "trm.seq_mis_cap": 0.5},
+     "bad config value [trm.seq_mis_cap]: must be >= 1 (trm.criteria has 'seq_mis'; a cap "
+     "below 1 rejects on-policy sequences, whose ratio is 1), got 0.5"),
     ({"warmup.steps": 0}, "bad config value [warmup.steps]: must be an integer >= 1, got 0"),
     ({"warmup.answer_only_frac": 1.5},
      "bad config value [warmup.answer_only_frac]: must be in [0, 1], got 1.5"),

@@ -82,7 +82,11 @@ def keep_even():
 
 @pytest.fixture
 def toy_objective():
-  objectives.register_objective("toy_reinforce", toy_reinforce, config_fields=("toy_scale",))
+  def check(c):   # the toy's own setting, checked by its entry (config.validate runs it)
+    config_lib.require(c.rl.toy_scale > 0, ["rl.toy_scale"],
+                       f"must be > 0 (rl.objective='toy_reinforce'), got {c.rl.toy_scale!r}")
+  objectives.register_objective("toy_reinforce", toy_reinforce, config_fields=("toy_scale",),
+                                check=check)
   yield "toy_reinforce"
   del objectives.OBJECTIVES["toy_reinforce"]
 
@@ -143,7 +147,10 @@ def _tiny_config():
 def test_toy_objective_mode_and_policy_in_rl_step(keep_even, toy_objective, toy_mode,
                                                   tmp_path):
   c = _tiny_config()
-  c.rl.objective, c.rl.toy_scale = toy_objective, 0.5      # the toy's own setting
+  c.rl.objective, c.rl.toy_scale = toy_objective, -0.5     # the toy's own setting
+  with pytest.raises(config_lib.ConfigError, match=r"\[rl.toy_scale\]: must be > 0"):
+    config_lib.validate(c)
+  c.rl.toy_scale = 0.5
   c.rollout.cache.policy, c.rollout.cache.ratio, c.smd.mode = keep_even, 0.5, toy_mode
   config_lib.validate(c)
   tok = synthetic.make_synthetic_tokenizer(str(tmp_path))

@@ -14,6 +14,8 @@ HPARAMS = {
     "trm_surrogate": {},
     "ppo_clip": dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0),
     "tis": dict(tis_cap=2.0),
+    "gspo": dict(clip_eps_low=3e-4, clip_eps_high=4e-4),     # the GSPO paper's
+    "cispo": dict(clip_eps_low=1.0, clip_eps_high=4.0),      # MiniMax-M1 / ScaleRL's
 }
 MAX_LEN = 8
 
@@ -52,7 +54,7 @@ CASES = list(itertools.product(sorted(obj.OBJECTIVES), obj.LOSS_AGG_MODES))
 @pytest.mark.parametrize("name,loss_agg", CASES)
 def test_on_policy_gradient_equals_reinforce_wrt_logp(name, loss_agg):
   b = _batch()
-  extra = {"logp_old": b["logp"]} if name == "ppo_clip" else {}
+  extra = {"logp_old": b["logp"]} if obj.OBJECTIVES[name].uses_logp_old else {}
 
   def loss(lt):
     return obj.compute_loss(name, logp_theta=lt, logp_roll=b["logp"], advantages=b["advantages"],
@@ -116,7 +118,7 @@ def test_gradients_reach_only_the_policy(name):
   off = jnp.asarray(rng.normal(scale=0.3, size=(B, T)), jnp.float32)
   others = dict(logp_roll=b["logp"] + off, advantages=b["advantages"], logp_ref=b["logp"] - off,
                 token_weights=jnp.ones((B, T)) * 0.7, seq_mask=b["seq_mask"])
-  if name == "ppo_clip":
+  if obj.OBJECTIVES[name].uses_logp_old:
     others["logp_old"] = b["logp"] + 0.5 * off
 
   def f(others, lt):
@@ -346,3 +348,134 @@ def test_token_advantages_and_token_weights(name):
   g_w = jax.grad(f)(lt, b["advantages"], w)
   np.testing.assert_allclose(np.asarray(g_w), np.asarray(w * g), rtol=1e-6, atol=1e-8)
   assert np.abs(np.asarray(g)).max() > 0
+
+
+# --- GSPO and CISPO against numpy references of their papers' definitions -------------------
+def _ragged(seed, Bn=16, Tn=12, scale=1e-3):
+  """Random policies over a ragged batch: responses of 0-12 tokens after 0-3 prompt tokens
+  (row 0 a padding row), NaN / inf garbage at every non-response position of each log-prob
+  input, advantages of both signs, two sequences masked by TRM. log r = logp_theta - logp_old
+  ~ N(0, scale) per token."""
+  rng = np.random.default_rng(seed)
+  start = rng.integers(0, 4, Bn)
+  length = rng.integers(1, Tn - 3, Bn)
+  length[0] = 0
+  idx = np.arange(Tn)[None]
+  rm = ((idx >= start[:, None]) & (idx < (start + length)[:, None])).astype(np.float32)
+  roll = np.log(rng.uniform(0.05, 0.95, (Bn, Tn))).astype(np.float32)
+  old = (roll + rng.normal(0, 0.2, (Bn, Tn))).astype(np.float32)
+  theta = (old + rng.normal(0, scale, (Bn, Tn))).astype(np.float32)
+  garbage = np.where(rng.uniform(size=(Bn, Tn)) < 0.5, np.nan, -np.inf)
+  theta, roll, old = (np.where(rm > 0, x, garbage).astype(np.float32) for x in (theta, roll, old))
+  seq_mask = np.ones(Bn, np.float32)
+  seq_mask[rng.choice(np.arange(1, Bn), 2, replace=False)] = 0.0
+  return dict(theta=theta, roll=roll, old=old, rm=rm, seq_mask=seq_mask,
+              adv=rng.normal(size=Bn).astype(np.float32))
+
+
+def _numpy_weights(d, loss_agg):
+  """W [B, T]: the aggregation's weight of each token (sum_bt W l = the loss), float64."""
+  rm = d["rm"].astype(np.float64)
+  w = rm * d["seq_mask"][:, None]
+  n_seq = max((rm.sum(1) > 0).sum(), 1)
+  if loss_agg == "token-mean":
+    return w / max(rm.sum(), 1)
+  if loss_agg == "seq-mean-token-mean":
+    return w / np.maximum(rm.sum(1, keepdims=True), 1) / n_seq
+  if loss_agg == "seq-mean-token-sum":
+    return w / n_seq
+  return w / (n_seq * MAX_LEN)
+
+
+def _jax_loss_and_grad(name, d, loss_agg, **hp):
+  def f(lt):
+    return obj.compute_loss(name, logp_theta=lt, logp_roll=jnp.asarray(d["roll"]),
+                            logp_old=jnp.asarray(d["old"]), advantages=jnp.asarray(d["adv"]),
+                            response_mask=jnp.asarray(d["rm"]),
+                            seq_mask=jnp.asarray(d["seq_mask"]), loss_agg=loss_agg,
+                            max_len=MAX_LEN if loss_agg.endswith("norm") else None, **hp)
+  (loss, m), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(d["theta"]))
+  return float(loss), np.asarray(g), m
+
+
+def _gspo_numpy(d, eps_low, eps_high):
+  """GSPO's sequence definition in float64: (per-sequence loss l_b, its derivative with
+  respect to each of the sequence's log pi_theta(y_t) times |y_b|, log s_b)."""
+  rm = d["rm"] > 0
+  lr = np.where(rm, d["theta"], 0.0).astype(np.float64) - np.where(rm, d["old"], 0.0)
+  n = np.maximum(rm.sum(1), 1)
+  log_s = lr.sum(1) / n
+  s, a = np.exp(log_s), d["adv"].astype(np.float64)
+  unclipped, clipped = -a * s, -a * np.clip(s, 1 - eps_low, 1 + eps_high)
+  l = np.maximum(unclipped, clipped)
+  # d l / d log pi_theta(y_t) = (-A s) / |y| where the unclipped term is the max, else 0.
+  dl = np.where(unclipped >= clipped, -a * s, 0.0)
+  return l, dl, log_s
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gspo_matches_the_papers_sequence_objective(seed):
+  """compute_loss("gspo") with the paper's aggregation (seq-mean-token-mean) is
+  sum_b M_b l_b / N_seq, l_b = max(-A s_b, -A clip(s_b, 1 - 3e-4, 1 + 4e-4)),
+  s_b = exp(mean_t log r_bt): value and gradient to 1e-5 relative, on random inputs whose
+  sequence ratios fall on both sides of the clip range."""
+  d = _ragged(seed)
+  l, dl, log_s = _gspo_numpy(d, 3e-4, 4e-4)
+  keep = (d["rm"].sum(1) > 0) & (d["seq_mask"] > 0)
+  out = (log_s < np.log1p(-3e-4)) | (log_s > np.log1p(4e-4))
+  assert 0 < out[keep].sum() < keep.sum()           # both sides of the clip range occur
+  assert np.min(np.abs(np.concatenate([log_s - np.log1p(-3e-4), log_s - np.log1p(4e-4)]))) > 1e-6
+  n_seq = (d["rm"].sum(1) > 0).sum()
+  want_loss = (l * keep).sum() / n_seq
+  want_grad = np.where(d["rm"] > 0, (keep * dl / np.maximum(d["rm"].sum(1), 1))[:, None] / n_seq,
+                       0.0)
+  loss, g, m = _jax_loss_and_grad("gspo", d, "seq-mean-token-mean", clip_eps_low=3e-4,
+                                  clip_eps_high=4e-4)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  np.testing.assert_allclose(g, want_grad, rtol=1e-5, atol=0)
+  np.testing.assert_allclose(float(m["gspo_clip_frac"]), out[keep].mean(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("loss_agg", obj.LOSS_AGG_MODES)
+def test_gspo_token_form_under_every_aggregation(loss_agg):
+  """Another loss_agg weights GSPO-token's per-token terms (each the sequence's l_b, with the
+  gradient dl_b / d log pi_theta(y_t) * |y_b|) as it weights every objective's."""
+  d = _ragged(3)
+  l, dl, _ = _gspo_numpy(d, 3e-4, 4e-4)
+  W = _numpy_weights(d, loss_agg)
+  loss, g, _ = _jax_loss_and_grad("gspo", d, loss_agg, clip_eps_low=3e-4, clip_eps_high=4e-4)
+  np.testing.assert_allclose(loss, (W * l[:, None]).sum(), rtol=1e-5)
+  np.testing.assert_allclose(g, W * dl[:, None], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("loss_agg", obj.LOSS_AGG_MODES)
+@pytest.mark.parametrize("eps_low,eps_high", [(1.0, 4.0), (0.2, 0.28)])
+def test_cispo_matches_its_definition(loss_agg, eps_low, eps_high):
+  """compute_loss("cispo"): per token -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta,
+  r = pi_theta / pi_old, under every loss_agg; value and gradient (clip(r) A times the
+  aggregation's weight: never zero where the weight is not) to 1e-5 relative, with ratios on
+  both sides of each clip range. (1.0, 4.0): the paper's, no lower bound and a cap of 5."""
+  d = _ragged(4, scale=0.8)
+  rm = d["rm"] > 0
+  lt = np.where(rm, d["theta"], 0.0).astype(np.float64)
+  r = np.exp(lt - np.where(rm, d["old"], 0.0))
+  c = np.clip(r, 1 - eps_low, 1 + eps_high)
+  assert (r[rm] > 1 + eps_high).any() and (eps_low == 1.0 or (r[rm] < 1 - eps_low).any())
+  a = d["adv"].astype(np.float64)[:, None]
+  W = _numpy_weights(d, loss_agg)
+  loss, g, m = _jax_loss_and_grad("cispo", d, loss_agg, clip_eps_low=eps_low,
+                                  clip_eps_high=eps_high)
+  np.testing.assert_allclose(loss, (W * -c * a * lt).sum(), rtol=1e-5)
+  np.testing.assert_allclose(g, W * -c * a, rtol=1e-5, atol=0)
+  kept = rm & (d["seq_mask"][:, None] > 0)
+  np.testing.assert_allclose(float(m["cispo_clip_frac"]), (c != r)[kept].mean(), rtol=1e-6)
+
+
+def test_gspo_and_cispo_clip_ranges_are_checked():
+  d = _ragged(0)
+  with pytest.raises(ValueError, match="clip_eps_low must be in \\[0, 1\\)"):
+    _jax_loss_and_grad("gspo", d, "token-mean", clip_eps_low=1.0, clip_eps_high=4e-4)
+  with pytest.raises(ValueError, match="clip_eps_low must be in \\[0, 1\\]"):
+    _jax_loss_and_grad("cispo", d, "token-mean", clip_eps_low=1.5, clip_eps_high=4.0)
+  with pytest.raises(ValueError, match="clip_eps_high >= 0"):
+    _jax_loss_and_grad("cispo", d, "token-mean", clip_eps_low=1.0, clip_eps_high=-1.0)

@@ -113,9 +113,9 @@ def _logp(theta, b):
 
 def _loss_fn(objective, loss_agg):
   def loss_fn(theta, b, normalizer):
-    extra = {}
-    if objective == "ppo_clip":
-      extra = dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0)
+    extra = {"ppo_clip": dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=3.0),
+             "gspo": dict(clip_eps_low=3e-4, clip_eps_high=4e-4),
+             "cispo": dict(clip_eps_low=1.0, clip_eps_high=4.0)}.get(objective, {})
     return obj.compute_loss(objective, logp_theta=_logp(theta, b), logp_roll=b["logp_roll"],
                             advantages=b["advantages"], response_mask=b["response_mask"],
                             seq_mask=b["seq_mask"], loss_agg=loss_agg, normalizer=normalizer,
@@ -125,7 +125,8 @@ def _loss_fn(objective, loss_agg):
 
 @pytest.mark.parametrize("objective,loss_agg",
                          [("trm_surrogate", m) for m in obj.LOSS_AGG_MODES]
-                         + [("ppo_clip", "token-mean")])
+                         + [("ppo_clip", "token-mean"), ("gspo", "seq-mean-token-mean"),
+                            ("cispo", "token-mean")])
 def test_accumulation_equals_one_big_batch(objective, loss_agg):
   theta, batch = _policy_batch()
   vg = jax.value_and_grad(_loss_fn(objective, loss_agg), has_aux=True)

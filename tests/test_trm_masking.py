@@ -12,7 +12,7 @@ from trm_jax import trm
 B, T, V = 3, 6, 4
 ALL = tuple(trm.CRITERIA)
 THRESHOLDS = dict(delta=0.05, eps=0.1, delta_avg=0.02, delta_k2=0.05, delta_k3=0.02,
-                  delta_w=0.1, delta_ser=0.1, tau=0.5)
+                  delta_w=0.1, delta_ser=0.1, tau=0.5, seq_mis_cap=2.0, geo_mean_tau=0.05)
 
 
 @jax.jit
@@ -49,6 +49,7 @@ def test_identical_policies_keep_everything_at_zero_thresholds(z, mask, tok):
   assert np.all(np.asarray(stats.kl) == 0) and np.all(np.asarray(stats.tv) == 0)
   zero = {k: 0.0 for k in THRESHOLDS}
   zero.update(eps=0.1, delta=0.05)  # ln_trm's weights need a positive trust region
+  zero.update(seq_mis_cap=1.0)      # a cap on a ratio: 1 is its tightest (prod rho = 1 here)
   seq, tok_m = per_criterion(stats, zero)
   for n in ALL:
     assert np.all(np.asarray(seq[n]) == 1.0), n
@@ -111,6 +112,8 @@ def test_extreme_ratio_is_finite_and_rejected(p_roll, p_theta):
     if n == "token_mask":  # the baseline drops the token but keeps the sequence
       assert float(seq[n][0]) == 1.0
       np.testing.assert_array_equal(tok[n][0], [0.0, 1.0, 1.0, 1.0, 0.0, 0.0])
+    elif n == "seq_mis":   # a cap from above only (masked IS): rho = 1/900 passes, 900 does not
+      assert float(seq[n][0]) == float(p_theta < p_roll), n
     else:
       assert float(seq[n][0]) == 0.0, n
   res = all_and(stats, THRESHOLDS)
@@ -139,7 +142,7 @@ def test_fully_masked_and_fully_rejected_batches_give_finite_metrics():
 
 def test_registry_errors_name_the_bad_thing():
   stats = trm.TokenStats(mask=jnp.ones((1, 2)), log_rho=jnp.zeros((1, 2)))
-  with pytest.raises(ValueError, match="unknown TRM criterion 'trm_maxkl'"):
+  with pytest.raises(ValueError, match="TRM criterion must be one of .*got 'trm_maxkl'"):
     trm.apply_criteria(("trm_maxkl",), THRESHOLDS, stats)
   with pytest.raises(ValueError, match="needs threshold 'delta_ser'"):
     trm.apply_criteria(("ser",), {"tau": 1.0}, stats)
@@ -205,3 +208,48 @@ def test_trm_max_has_length_bias_and_ser_does_not():
       assert long > 0.6 and short < 0.15                  # 1 - 0.99^128 = 0.72, 1 - 0.99^8 = 0.08
     else:
       assert long < short                                 # longer averages concentrate
+
+
+def test_seq_mis_and_geo_mean_against_numpy():
+  """seq_mis keeps sum_t log rho_t <= log C, geo_mean keeps |mean_t log rho_t| <= tau; their
+  rejection rates and statistics are the monitors every criterion reports."""
+  rng = np.random.default_rng(0)
+  Bn, Tn = 64, 40
+  lengths = rng.integers(0, Tn, Bn)
+  mask = (np.arange(Tn)[None] < lengths[:, None]).astype(np.float32)
+  log_rho = rng.normal(0, 0.15, (Bn, Tn)).astype(np.float32)
+  stats = trm.TokenStats(mask=jnp.asarray(mask), log_rho=jnp.asarray(log_rho))
+  th = dict(seq_mis_cap=2.0, geo_mean_tau=0.03)
+  lr = np.where(mask > 0, log_rho, 0.0).astype(np.float64)
+  valid = lengths > 0
+  want = {"seq_mis": (lr.sum(1) <= np.log(2.0)) | ~valid,
+          "geo_mean": (np.abs(lr.sum(1) / np.maximum(lengths, 1)) <= 0.03) | ~valid}
+  stat = {"seq_mis": ("log_seq_ratio", lr.sum(1)),
+          "geo_mean": ("abs_mean_log_rho", np.abs(lr.sum(1) / np.maximum(lengths, 1)))}
+  for n, keep in want.items():
+    res = jax.jit(lambda s, n=n: trm.apply_criteria((n,), th, s))(stats)
+    assert 0 < (~keep).sum() < valid.sum(), n        # some rejected, some kept
+    np.testing.assert_array_equal(res.seq_mask, keep.astype(np.float32), err_msg=n)
+    np.testing.assert_allclose(res.metrics[f"trm/{n}/reject_rate"],
+                               (~keep[valid]).mean(), rtol=1e-6)
+    key, v = stat[n]
+    np.testing.assert_allclose(res.metrics[f"trm/{n}/{key}_mean"], v[valid].mean(),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(res.metrics[f"trm/{n}/{key}_max"], v[valid].max(), rtol=1e-5)
+
+
+def test_seq_mis_compares_in_log_space():
+  """A 600-token sequence whose ratio is 1 (300 tokens at rho = e^0.5, then 300 at e^-0.5):
+  the running product overflows fp32 (e^150), its log does not; kept. Its mirror, all tokens
+  at e^0.5 (ratio e^300), is rejected, and all at e^-0.5 (e^-300) kept under a cap from above."""
+  Tn = 600
+  up = np.full(Tn, 0.5, np.float32)
+  log_rho = np.stack([np.concatenate([up[:300], -up[:300]]), up, -up])
+  with np.errstate(over="ignore"):
+    assert not np.isfinite(np.prod(np.exp(log_rho[0, :300])))        # fp32 product: inf
+  stats = trm.TokenStats(mask=jnp.ones((3, Tn)), log_rho=jnp.asarray(log_rho))
+  res = trm.apply_criteria(("seq_mis",), {"seq_mis_cap": 2.0}, stats)
+  np.testing.assert_array_equal(res.seq_mask, [1.0, 0.0, 1.0])
+  assert all(np.isfinite(np.asarray(v)).all() for v in res.metrics.values())
+  geo = trm.apply_criteria(("geo_mean",), {"geo_mean_tau": 0.1}, stats)
+  np.testing.assert_array_equal(geo.seq_mask, [1.0, 0.0, 0.0])      # |mean| = 0, .5, .5

@@ -175,6 +175,12 @@ def _require(cond: bool, keys: Iterable[str], msg: str) -> None:
     raise ConfigError(f"{what} [{', '.join(keys)}]: {msg}")
 
 
+def require(cond: bool, keys: Iterable[str], msg: str) -> None:
+  """ConfigError naming `keys` unless `cond`: for the `check` hooks of registry entries (an
+  objective's or a criterion's own settings), so that their errors read like validate's."""
+  _require(cond, keys, msg)
+
+
 def _positive_int(c: ml_collections.ConfigDict, *keys: str) -> None:
   for key in keys:
     v = _get(c, key)
@@ -309,6 +315,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
                 "rollout.logit_noise", "rollout.router_noise", "smd.lam",
                 *(f"trm.{k}" for k in c.trm if k != "criteria"))
   _one_of(c, "rl.objective", sorted(OBJECTIVES))
+  OBJECTIVES[c.rl.objective].check(c)    # its own settings (rl/objectives.py)
   _one_of(c, "rl.loss_agg", LOSS_AGG_MODES)
   _one_of(c, "rl.baseline", BASELINES)
   _one_of(c, "rollout.cache.policy", (DENSE, *POLICIES))
@@ -345,6 +352,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for name in c.trm.criteria:
     _require(name in CRITERIA, ["trm.criteria"],
              f"unknown criterion {name!r}; known: {', '.join(sorted(CRITERIA))}")
+    CRITERIA[name].check(c)              # its thresholds (trm/masking.py)
     if {"kl", "tv"} & set(CRITERIA[name].needs):
       _require(c.rollout.keep_full_logprobs or c.rollout.keep_topk_logprobs > 0,
                ["trm.criteria", "rollout.keep_full_logprobs", "rollout.keep_topk_logprobs"],
@@ -383,18 +391,6 @@ def _validate_values(c: ml_collections.ConfigDict) -> None:
   _require(o.clip_norm > 0, ["optim.clip_norm"],
            f"must be > 0 (the global-norm clip), got {o.clip_norm!r}")
   r = c.rl
-  # The objective's own parameters, checked when that objective is the one trained with.
-  if r.objective == "ppo_clip":
-    _require(0.0 <= r.clip_eps_low < 1.0, ["rl.clip_eps_low"],
-             f"must be in [0, 1) (rl.objective='ppo_clip'), got {r.clip_eps_low!r}")
-    _require(r.clip_eps_high >= 0.0, ["rl.clip_eps_high"],
-             f"must be >= 0 (rl.objective='ppo_clip'), got {r.clip_eps_high!r}")
-    _require(r.dual_clip_c > 1.0, ["rl.dual_clip_c"],
-             f"must be > 1 (rl.objective='ppo_clip'), got {r.dual_clip_c!r}")
-  if r.objective == "tis":
-    _require(r.tis_cap >= 1.0, ["rl.tis_cap"],
-             f"must be >= 1 (rl.objective='tis'; a cap below 1 down-weights on-policy "
-             f"tokens), got {r.tis_cap!r}")
   if c.task.name == "synthetic" or not c.model.path:   # the warm-up trains on it too
     task = synthetic_config(c.task.synthetic)
     if c.task.name == "synthetic":

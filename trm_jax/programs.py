@@ -104,7 +104,7 @@ OOM_KNOBS = ("rl.num_microbatches (raise it: smaller microbatches, same update)"
 def learner_config(c: ml_collections.ConfigDict, max_len: int) -> LearnerConfig:
   r = c.rl
   # The objective's own settings: the `rl` keys its registry entry names.
-  kwargs = tuple((k, r[k]) for k in objectives.get_objective(r.objective).config_fields)
+  kwargs = tuple((arg, r[key]) for arg, key in objectives.get_objective(r.objective).settings)
   thresholds = tuple((k, float(v)) for k, v in c.trm.items() if k != "criteria")
   # The learner mode's own settings: the `smd` keys its registry entry names (and no other
   # mode's, so e.g. smd.lam never enters a dense learner's program).

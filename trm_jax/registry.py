@@ -1,10 +1,15 @@
-"""Registries of named variants: objectives, learner modes, cache policies.
+"""Registries of named variants: objectives, learner modes, cache policies, TRM criteria.
 
 A variant is one entry, added with `register` and looked up with `get` by the name a config
-uses (`rl.objective`, `smd.mode`, `rollout.cache.policy`). A `Registry` is a dict (name ->
-entry), so `name in R`, `sorted(R)` and iteration work as on one; what it adds is the two
-errors every registry gives the same way: a name registered twice, and an unknown name (which
-lists the registered ones).
+uses (`rl.objective`, `smd.mode`, `rollout.cache.policy`, `trm.criteria`). A `Registry` is a
+dict (name -> entry), so `name in R`, `sorted(R)` and iteration work as on one; what it adds is
+the two errors every registry gives the same way: a name registered twice, and an unknown name
+(which lists the registered ones).
+
+An entry's settings are validated by the entry itself: objectives and criteria carry a
+`check(config)` (`no_check` when they have nothing of their own to check), which
+`config.validate` runs for the entries the config selects, so adding a variant touches its
+own module only.
 """
 from __future__ import annotations
 
@@ -34,3 +39,9 @@ class Registry(dict, Generic[V]):
       choices = f"{names} or one of {sorted(self)}" if names else f"one of {sorted(self)}"
       raise ValueError(f"{self.kind} must be {choices}, got {name!r}")
     return self[name]
+
+
+def no_check(config) -> None:
+  """The `check` of an entry with no settings of its own (or none beyond the checks every
+  setting of its section gets)."""
+  del config

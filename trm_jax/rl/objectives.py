@@ -10,7 +10,8 @@ scalar to *minimise* (minus the surrogate) and `metrics` a dict of fp32 scalars.
   response_mask  [B, T]  1 on generated tokens, 0 on prompt and padding.
   seq_mask       [B]     TRM's M(x, y) in {0, 1}, 1 = keep (computed by `trm_jax.trm`).
   logp_old       [B, T]  PPO's behaviour policy; only objectives registered with
-                         `uses_logp_old` (ppo_clip) take it; defaults to logp_roll.
+                         `uses_logp_old` (ppo_clip, gspo, cispo) take it; defaults to
+                         logp_roll.
   logp_ref, kl_beta      optional k3 KL penalty to a reference policy (both or neither).
   token_weights  [B, T]  optional fixed per-token weights on the policy-gradient term
                          (Sparse-RL's, `trm_jax.rl.sparse_rl`; token-level TRM criteria).
@@ -24,6 +25,15 @@ Per-token terms (rho = pi_theta / pi_roll, r = pi_theta / pi_old, both from log 
                  term re-weighted by the truncated, gradient-free ratio; its gradient is
                  min(rho, C) A grad log pi_theta. -A min(rho, C) has the same gradient below C
                  but none above it: truncated tokens would drop out instead of counting C)
+  cispo          -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta   (CISPO, MiniMax-M1,
+                 Chen et al. 2025, Eq. 4: the clipped IS weight is a gradient-free coefficient,
+                 so unlike PPO no token's gradient is ever zeroed, only bounded)
+  gspo           max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high)) with the sequence ratio
+                 s_b = exp(mean_t log r_bt) (GSPO, Zheng et al. 2025, Eq. 5-7), written per
+                 token as GSPO-token (their Eq. 13): s_bt = sg(s_b) pi_theta(y_t) /
+                 sg(pi_theta(y_t)) has the value s_b at every token and the gradient
+                 s_b grad log pi_theta(y_t), so with loss_agg="seq-mean-token-mean" the loss
+                 and its gradient are exactly the paper's sum_b M_b l_b / N_seq
 Token masking (-A rho 1[|log rho| <= tau], the baseline the TRM paper argues against: it
 changes the loss, not the policy pair, so the trust region stays violated) is not an objective
 here but the `trm_jax.trm` criterion "token_mask", whose token mask the learner multiplies into
@@ -54,12 +64,14 @@ NaN) at prompt or padding positions never reaches the loss or the gradient.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-from trm_jax.registry import Registry
+from trm_jax import config as config_lib
+from trm_jax.registry import Registry, no_check
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm")
@@ -202,13 +214,36 @@ def _prepare(logp_theta, logp_roll, advantages, response_mask, seq_mask, logp_ol
                      f"(got logp_ref={'set' if logp_ref is not None else None}, "
                      f"kl_beta={kl_beta!r})")
   if logp_old is not None and not uses_old:
+    readers = ", ".join(sorted(n for n, o in OBJECTIVES.items() if o.uses_logp_old))
     raise ValueError(f"logp_old is read only by objectives registered with uses_logp_old "
-                     f"(ppo_clip); {name} measures its ratio against logp_roll")
+                     f"({readers}); {name} measures its ratio against logp_roll")
   valid = sg(response_mask) > 0                                        # [B, T] bool
   adv = sg(jnp.asarray(advantages)).astype(jnp.float32)
   adv = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, valid.shape)  # [B, T]
   log_rho = _log_ratio(logp_theta, sg(logp_roll), valid)              # [B, T]
   return valid, adv, log_rho
+
+
+def _check_clip(low, high, *, low_max: float, inclusive: bool = False) -> None:
+  """0 <= low < low_max (<= with `inclusive`) and high >= 0: the clip range [1 - low, 1 + high]
+  holds 1 and stays positive (low = 1 inclusive: no lower bound, the ratio being > 0)."""
+  ok_low = 0.0 <= low <= low_max if inclusive else 0.0 <= low < low_max
+  if not ok_low or high < 0.0:
+    span = f"[0, {low_max:g}]" if inclusive else f"[0, {low_max:g})"
+    raise ValueError(f"clip_eps_low must be in {span} and clip_eps_high >= 0, got "
+                     f"{low!r}, {high!r}")
+
+
+def _old_log_ratio(logp_theta, logp_old, log_rho, valid):
+  """log r = log pi_theta / pi_old [B, T] (clamped, 0 off the response); pi_old defaults to
+  pi_roll (then r = rho)."""
+  return log_rho if logp_old is None else _log_ratio(logp_theta, sg(logp_old), valid)
+
+
+def _reinforce_term(weight, adv, logp_theta, valid):
+  """-weight A log pi_theta per token [B, T]: a REINFORCE term with a gradient-free weight;
+  log pi_theta is zeroed off the response before the product (garbage there never enters)."""
+  return -sg(weight) * adv * jnp.where(valid, logp_theta.astype(jnp.float32), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,16 +277,13 @@ def ppo_clip(*, logp_theta, logp_roll, advantages, response_mask, seq_mask, loss
     l = max(-A r, -A clip(r, 1 - clip_eps_low, 1 + clip_eps_high))
     l = min(l, -A c) where A < 0           (dual clip, Ye et al. 2020; dual_clip_c=None: off)
   """
-  if not (0.0 <= clip_eps_low < 1.0) or clip_eps_high < 0.0:
-    raise ValueError(f"clip_eps_low must be in [0, 1) and clip_eps_high >= 0, got "
-                     f"{clip_eps_low!r}, {clip_eps_high!r}")
+  _check_clip(clip_eps_low, clip_eps_high, low_max=1.0)
   if dual_clip_c is not None and dual_clip_c <= 1.0:
     raise ValueError(f"dual_clip_c must be > 1 (or None to disable), got {dual_clip_c!r}")
   valid, adv, log_rho = _prepare(logp_theta, logp_roll, advantages, response_mask, seq_mask,
                                  logp_old, logp_ref, kl_beta, token_weights, loss_agg, max_len,
                                  uses_old=True, name="ppo_clip")
-  log_r = log_rho if logp_old is None else _log_ratio(logp_theta, sg(logp_old), valid)
-  r = jnp.exp(log_r)                                                   # [B, T]
+  r = jnp.exp(_old_log_ratio(logp_theta, logp_old, log_rho, valid))   # [B, T]
   pg1 = -adv * r
   pg2 = -adv * jnp.clip(r, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
   pg_token = jnp.maximum(pg1, pg2)
@@ -284,11 +316,77 @@ def truncated_is(*, logp_theta, logp_roll, advantages, response_mask, seq_mask, 
   valid, adv, log_rho = _prepare(logp_theta, logp_roll, advantages, response_mask, seq_mask,
                                  logp_old, logp_ref, kl_beta, token_weights, loss_agg, max_len,
                                  uses_old=False, name="tis")
-  weight = sg(jnp.minimum(jnp.exp(log_rho), tis_cap))                  # [B, T]
-  logp = jnp.where(valid, logp_theta.astype(jnp.float32), 0.0)
-  pg_token = -weight * adv * logp
+  pg_token = _reinforce_term(jnp.minimum(jnp.exp(log_rho), tis_cap), adv, logp_theta, valid)
   m = sg(response_mask).astype(jnp.float32) * sg(seq_mask).astype(jnp.float32)[:, None]
   extra = {"tis_trunc_frac": _masked_mean((log_rho > jnp.log(tis_cap)).astype(jnp.float32), m)}
+  return _finish(pg_token, logp_theta=logp_theta, log_rho=log_rho,
+                 response_mask=response_mask, seq_mask=seq_mask, token_keep=1.0,
+                 token_weights=token_weights, logp_ref=logp_ref, kl_beta=kl_beta,
+                 loss_agg=loss_agg, normalizer=normalizer, max_len=max_len, extra_metrics=extra)
+
+
+def cispo(*, logp_theta, logp_roll, advantages, response_mask, seq_mask, loss_agg,
+          clip_eps_low: float, clip_eps_high: float, logp_old=None, logp_ref=None,
+          kl_beta=None, token_weights=None, normalizer=None, max_len=None
+          ) -> tuple[jax.Array, dict]:
+  """CISPO (MiniMax-M1, Chen et al. 2025, Eq. 4): per token
+  -sg(clip(r, 1 - clip_eps_low, 1 + clip_eps_high)) A log pi_theta, r = pi_theta / pi_old.
+
+  Like `tis` a REINFORCE term under a gradient-free weight, with PPO's ratio (against logp_old,
+  default logp_roll) and a two-sided clip. Its gradient is clip(r) A grad log pi_theta: a
+  token outside the range keeps its gradient at the clipped weight, where PPO-clip drops it.
+  The paper sets no lower bound (clip_eps_low = 1: the weight is only capped above).
+  """
+  _check_clip(clip_eps_low, clip_eps_high, low_max=1.0, inclusive=True)
+  valid, adv, log_rho = _prepare(logp_theta, logp_roll, advantages, response_mask, seq_mask,
+                                 logp_old, logp_ref, kl_beta, token_weights, loss_agg, max_len,
+                                 uses_old=True, name="cispo")
+  log_r = _old_log_ratio(logp_theta, logp_old, log_rho, valid)        # [B, T]
+  # Bounds in log space: log(1 - clip_eps_low) is -inf for no lower bound, and no exp overflows.
+  lo, hi = math.log1p(-clip_eps_low) if clip_eps_low < 1.0 else -math.inf, \
+      math.log1p(clip_eps_high)
+  pg_token = _reinforce_term(jnp.exp(jnp.clip(log_r, lo, hi)), adv, logp_theta, valid)
+  m = sg(response_mask).astype(jnp.float32) * sg(seq_mask).astype(jnp.float32)[:, None]
+  extra = {"cispo_clip_frac": _masked_mean(((log_r < lo) | (log_r > hi)).astype(jnp.float32),
+                                           m),
+           "ppo_ratio_mean": _masked_mean(jnp.exp(sg(log_r)), m)}
+  return _finish(pg_token, logp_theta=logp_theta, log_rho=log_rho,
+                 response_mask=response_mask, seq_mask=seq_mask, token_keep=1.0,
+                 token_weights=token_weights, logp_ref=logp_ref, kl_beta=kl_beta,
+                 loss_agg=loss_agg, normalizer=normalizer, max_len=max_len, extra_metrics=extra)
+
+
+def gspo(*, logp_theta, logp_roll, advantages, response_mask, seq_mask, loss_agg,
+         clip_eps_low: float, clip_eps_high: float, logp_old=None, logp_ref=None, kl_beta=None,
+         token_weights=None, normalizer=None, max_len=None) -> tuple[jax.Array, dict]:
+  """GSPO (Zheng et al. 2025): PPO-clip on the sequence's length-normalised ratio.
+
+  s_b = exp((1 / |y_b|) sum_t log r_bt), r = pi_theta / pi_old (logp_old, default logp_roll),
+  l_b = max(-A_b s_b, -A_b clip(s_b, 1 - clip_eps_low, 1 + clip_eps_high)) (their Eq. 5-7;
+  the paper clips at 3e-4 / 4e-4: s_b is a geometric mean, far closer to 1 than a token's r).
+  Written per token as GSPO-token (their Eq. 13), which also takes [B, T] advantages and token
+  weights: with [B] advantages and loss_agg="seq-mean-token-mean", the paper's, the loss is
+  sum_b M_b l_b / N_seq and its gradient the sequence objective's; another loss_agg weights
+  the same per-token terms as it does for every objective.
+  """
+  _check_clip(clip_eps_low, clip_eps_high, low_max=1.0)
+  valid, adv, log_rho = _prepare(logp_theta, logp_roll, advantages, response_mask, seq_mask,
+                                 logp_old, logp_ref, kl_beta, token_weights, loss_agg, max_len,
+                                 uses_old=True, name="gspo")
+  log_r = _old_log_ratio(logp_theta, logp_old, log_rho, valid)        # [B, T], 0 off response
+  n_tok = jnp.maximum(jnp.sum(valid, axis=1), 1).astype(jnp.float32)  # [B] |y_b|
+  log_s = jnp.sum(log_r, axis=1) / n_tok                               # [B] log s_b
+  # GSPO-token: the value log s_b at every token, the gradient that of log pi_theta(y_t).
+  log_s_tok = sg(log_s)[:, None] + log_r - sg(log_r)                   # [B, T]
+  s_tok = jnp.exp(log_s_tok)
+  pg1 = -adv * s_tok
+  pg2 = -adv * jnp.clip(s_tok, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+  pg_token = jnp.maximum(pg1, pg2)
+  m_seq = sg(seq_mask).astype(jnp.float32) * (jnp.sum(valid, axis=1) > 0)   # [B]
+  clipped = (log_s < jnp.log1p(-clip_eps_low)) | (log_s > jnp.log1p(clip_eps_high))
+  extra = {"gspo_clip_frac": jnp.sum(clipped * m_seq) / jnp.maximum(jnp.sum(m_seq), 1.0),
+           "gspo_seq_ratio_mean": jnp.sum(jnp.exp(sg(log_s)) * m_seq)
+                                  / jnp.maximum(jnp.sum(m_seq), 1.0)}
   return _finish(pg_token, logp_theta=logp_theta, log_rho=log_rho,
                  response_mask=response_mask, seq_mask=seq_mask, token_keep=1.0,
                  token_weights=token_weights, logp_ref=logp_ref, kl_beta=kl_beta,
@@ -300,28 +398,73 @@ def truncated_is(*, logp_theta, logp_roll, advantages, response_mask, seq_mask, 
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Objective:
-  """A registered objective: its loss and what it reads beyond the inputs every one takes."""
+  """A registered objective: its loss, what it reads beyond the inputs every one takes, and the
+  check of its own settings."""
   loss: Callable[..., tuple[jax.Array, dict]]   # keyword-only, as described above
-  config_fields: tuple[str, ...] = ()   # keys of the config's `rl` section, passed to `loss`
-                                        #   under the same names (LearnerConfig.objective_kwargs)
+  config_fields: tuple = ()             # the `rl` settings passed to `loss` (LearnerConfig.
+                                        #   objective_kwargs): a key, passed under its own name,
+                                        #   or a (keyword, key) pair: gspo's clip_eps_low is
+                                        #   rl.gspo_clip_eps_low, its own setting, not PPO's
   uses_logp_old: bool = False           # reads LearnerBatch.logp_old (PPO's behaviour policy)
+  check: Callable = no_check            # check(config): its settings' values, run by
+                                        #   config.validate when it is rl.objective; raises
+                                        #   config.ConfigError naming the key
+
+  @property
+  def settings(self) -> tuple[tuple[str, str], ...]:
+    """((keyword of `loss`, key of the config's `rl` section), ...)."""
+    return tuple((f, f) if isinstance(f, str) else (f[0], f[1]) for f in self.config_fields)
 
 
 OBJECTIVES: Registry[Objective] = Registry("objective")
 
 
 def register_objective(name: str, loss: Callable[..., tuple[jax.Array, dict]], *,
-                       config_fields: tuple[str, ...] = (),
-                       uses_logp_old: bool = False) -> Objective:
+                       config_fields: tuple = (), uses_logp_old: bool = False,
+                       check: Callable = no_check) -> Objective:
   """Adds `loss` under `name` (the value of `rl.objective`); `config_fields` name the `rl`
-  settings it takes as keyword arguments."""
-  return OBJECTIVES.register(name, Objective(loss, tuple(config_fields), uses_logp_old))
+  settings it takes as keyword arguments (see `Objective`), `check(config)` validates them."""
+  return OBJECTIVES.register(name, Objective(loss, tuple(config_fields), uses_logp_old, check))
+
+
+def _check_clip_keys(low_key: str, high_key: str, *, inclusive: bool = False):
+  """A check of an objective's clip range rl.<low_key> / rl.<high_key> (see _check_clip)."""
+  def check(c) -> None:
+    r, who = c.rl, f"rl.objective={c.rl.objective!r}"
+    low = r[low_key]
+    config_lib.require(0.0 <= low <= 1.0 if inclusive else 0.0 <= low < 1.0, [f"rl.{low_key}"],
+                       f"must be in [0, 1{']' if inclusive else ')'} ({who}), got {low!r}")
+    config_lib.require(r[high_key] >= 0.0, [f"rl.{high_key}"],
+                       f"must be >= 0 ({who}), got {r[high_key]!r}")
+  return check
+
+
+def _check_ppo_clip(c) -> None:
+  _check_clip_keys("clip_eps_low", "clip_eps_high")(c)
+  config_lib.require(c.rl.dual_clip_c > 1.0, ["rl.dual_clip_c"],
+                     f"must be > 1 (rl.objective='ppo_clip'), got {c.rl.dual_clip_c!r}")
+
+
+def _check_tis(c) -> None:
+  config_lib.require(c.rl.tis_cap >= 1.0, ["rl.tis_cap"],
+                     f"must be >= 1 (rl.objective='tis'; a cap below 1 down-weights on-policy "
+                     f"tokens), got {c.rl.tis_cap!r}")
 
 
 register_objective("trm_surrogate", trm_surrogate)
 register_objective("ppo_clip", ppo_clip, config_fields=("clip_eps_low", "clip_eps_high",
-                                                        "dual_clip_c"), uses_logp_old=True)
-register_objective("tis", truncated_is, config_fields=("tis_cap",))
+                                                        "dual_clip_c"), uses_logp_old=True,
+                   check=_check_ppo_clip)
+register_objective("tis", truncated_is, config_fields=("tis_cap",), check=_check_tis)
+register_objective("gspo", gspo, config_fields=(("clip_eps_low", "gspo_clip_eps_low"),
+                                                ("clip_eps_high", "gspo_clip_eps_high")),
+                   uses_logp_old=True,
+                   check=_check_clip_keys("gspo_clip_eps_low", "gspo_clip_eps_high"))
+register_objective("cispo", cispo, config_fields=(("clip_eps_low", "cispo_clip_eps_low"),
+                                                  ("clip_eps_high", "cispo_clip_eps_high")),
+                   uses_logp_old=True,
+                   check=_check_clip_keys("cispo_clip_eps_low", "cispo_clip_eps_high",
+                                          inclusive=True))
 
 
 def get_objective(name: str) -> Objective:

@@ -14,6 +14,12 @@ stop-gradient sequence mask M. Criteria are chosen by name from the config and A
   ln_trm           sum_t w_t |rho_t - 1| <= delta_w sum_t w_t,          eps, delta,  log_rho
                    w_t = min(1, (T-t) eps, sqrt((T-t) delta / 2))       delta_w
   ser              mean_t |rho_t - 1| <= delta_ser                      delta_ser    log_rho
+  seq_mis          sum_t log rho_t <= log seq_mis_cap                   seq_mis_cap  log_rho
+                   (sequence-level masked IS: the sequence's ratio prod_t rho_t at most the
+                   cap; verl's sequence rejection / TRL's "sequence_mask", cap 2.0)
+  geo_mean         |mean_t log rho_t| <= geo_mean_tau                   geo_mean_tau log_rho
+                   (the geometric mean of the ratios within exp(+-tau) of 1; verl's geo_rs,
+                   bounds 0.999 / 1.001, i.e. tau = 0.001)
   token_mask       (baseline, NOT TRM) drops tokens with |log rho_t| > tau;  tau     log_rho
                    keeps every sequence, so the trust region stays violated (Sec. 4.1)
 
@@ -21,7 +27,13 @@ KL_t / TV_t are the per-token divergences of `divergence.py` (exact from full lo
 top-k + tail lower bounds; the criterion cannot tell, so a lower bound makes it more lenient).
 In LN-TRM, T and t are the sequence's own response length and 1-based position in it, so the
 threshold delta_w Z(T) does not grow with T (App. F.2). Every criterion is monotone in its own
-threshold (delta_w for ln_trm; its eps and delta shape the weights instead).
+threshold (delta_w for ln_trm; its eps and delta shape the weights instead). seq_mis and
+geo_mean are the sequence masks practitioners run beside TRM; both compare in log space (a
+product of T ratios overflows or underflows fp32 long before it is compared with a cap).
+
+Criteria are entries of the CRITERIA registry (`trm_jax.registry`); each names the thresholds
+it reads (keys of the config's `trm` section), the TokenStats fields it needs, and checks its
+own thresholds (`check(config)`, run by `config.validate` for the criteria in trm.criteria).
 
 Trainer interface:
 
@@ -43,6 +55,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from trm_jax import config as config_lib
+from trm_jax.registry import Registry, no_check
 from trm_jax.trm import divergence
 from trm_jax.trm import monitors
 
@@ -99,9 +113,11 @@ CriterionFn = Callable[[TokenStats, Mapping], tuple]
 @dataclasses.dataclass(frozen=True)
 class Criterion:
   name: str
-  thresholds: tuple[str, ...]   # keys it reads from the thresholds mapping
+  thresholds: tuple[str, ...]   # keys it reads from the thresholds mapping (the `trm` section)
   needs: tuple[str, ...]        # TokenStats fields it reads
   fn: CriterionFn
+  check: Callable = no_check    # check(config): its thresholds beyond the >= 0 every `trm` key
+                                #   gets (config.validate); raises config.ConfigError
 
 
 def _abs_rho_minus_one(log_rho):
@@ -172,7 +188,33 @@ def _token_mask(s, th):
   return jnp.ones(s.mask.shape[:1], bool), keep_tok, {"max_abs_log_rho": m}
 
 
-CRITERIA: dict[str, Criterion] = {c.name: c for c in (
+def _seq_mis(s, th):
+  # log prod_t rho_t = sum_t log rho_t, compared with log C: no product of T ratios is formed.
+  log_w = divergence.seq_sum(s.log_rho, s.mask)
+  return log_w <= jnp.log(jnp.float32(th["seq_mis_cap"])), None, {"log_seq_ratio": log_w}
+
+
+def _geo_mean(s, th):
+  a = jnp.abs(divergence.seq_mean(s.log_rho, s.mask))
+  return a <= th["geo_mean_tau"], None, {"abs_mean_log_rho": a}
+
+
+def _check_seq_mis(c) -> None:
+  cap = c.trm.seq_mis_cap
+  config_lib.require(cap >= 1.0, ["trm.seq_mis_cap"],
+                     f"must be >= 1 (trm.criteria has 'seq_mis'; a cap below 1 rejects "
+                     f"on-policy sequences, whose ratio is 1), got {cap!r}")
+
+
+CRITERIA: Registry[Criterion] = Registry("TRM criterion")
+
+
+def register_criterion(criterion: Criterion) -> Criterion:
+  """Adds `criterion` under its name (an entry of the config's trm.criteria)."""
+  return CRITERIA.register(criterion.name, criterion)
+
+
+for _c in (
     Criterion("trm_max_kl", ("delta",), ("kl",), _trm_max_kl),
     Criterion("trm_max_tv", ("eps",), ("tv",), _trm_max_tv),
     Criterion("trm_avg_kl", ("delta_avg",), ("kl",), _trm_avg_kl),
@@ -182,16 +224,17 @@ CRITERIA: dict[str, Criterion] = {c.name: c for c in (
     Criterion("ln_trm", ("eps", "delta", "delta_w"), ("log_rho",), _ln_trm),
     Criterion("ser", ("delta_ser",), ("log_rho",), _ser),
     Criterion("token_mask", ("tau",), ("log_rho",), _token_mask),
-)}
+    Criterion("seq_mis", ("seq_mis_cap",), ("log_rho",), _seq_mis, check=_check_seq_mis),
+    Criterion("geo_mean", ("geo_mean_tau",), ("log_rho",), _geo_mean),
+):
+  register_criterion(_c)
 
 
 def _validate(names: Sequence[str], thresholds: Mapping, stats: TokenStats):
   if isinstance(names, str):
     raise ValueError(f"criteria must be a sequence of names, got the string {names!r}")
   for n in names:
-    if n not in CRITERIA:
-      raise ValueError(f"unknown TRM criterion {n!r}; available: {sorted(CRITERIA)}")
-    c = CRITERIA[n]
+    c = CRITERIA.get(n)
     for k in c.thresholds:
       if k not in thresholds:
         raise ValueError(f"TRM criterion {n!r} needs threshold {k!r} (config "
