@@ -26,19 +26,22 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from trm_jax import config as config_lib
 from trm_jax import sweep
 from trm_jax import workdir as wd
 
 
-def archive_runs(workdir: str, path: str) -> list[str]:
-  """Writes the finished cells of WORKDIR's plan to `path`: gzip, one JSON line per cell
+def archive_runs(workdir: str, path: str,
+                 cells: Optional[Sequence[sweep.Cell]] = None) -> list[str]:
+  """Writes the finished cells of WORKDIR's plan (or of `cells`, so an experiment that restored
+  other runs into its workdir archives only its own) to `path`: gzip, one JSON line per cell
   (module docstring), written atomically; returns the cell names. Checkpoints are left out: a
   restored cell is done, not resumable. A done cell without its metrics, or a `path` whose
   directory does not exist, is refused before anything is written."""
-  spec, cells = sweep.load_plan(workdir)
+  spec, planned = sweep.load_plan(workdir)
+  cells = planned if cells is None else cells
   where = os.path.dirname(os.path.abspath(path))
   if not os.path.isdir(where):
     raise config_lib.ConfigError(f"--archive {path}: directory {where} does not exist")
