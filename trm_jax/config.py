@@ -391,6 +391,11 @@ def _validate_values(c: ml_collections.ConfigDict) -> None:
   _require(o.clip_norm > 0, ["optim.clip_norm"],
            f"must be > 0 (the global-norm clip), got {o.clip_norm!r}")
   r = c.rl
+  _int_at_least(c, 1, "rl.dynamic_sampling_max_rounds")
+  _int_at_least(c, 0, "rl.overlong_buffer")
+  _non_negative(c, "rl.overlong_penalty")
+  for key in ("rl.dynamic_sampling", "rl.mask_truncated"):
+    _require(isinstance(_get(c, key), bool), [key], f"must be True or False, got {_get(c, key)!r}")
   if c.task.name == "synthetic" or not c.model.path:   # the warm-up trains on it too
     task = synthetic_config(c.task.synthetic)
     if c.task.name == "synthetic":
@@ -447,12 +452,17 @@ def _known_model_limits(c: ml_collections.ConfigDict) -> dict:
 
 def check_model_fit(c: ml_collections.ConfigDict, *, max_positions, vocab_size,
                     prompt_len: int = 0, new_tokens: int = 0) -> None:
-  """Prompt + new tokens against the model's positions, and the rollout's top-k sizes against
-  its vocabulary. Run by `validate` with what the config alone tells (explicit lengths, the
-  warm-up arch or model.path's config.json), and by the trainer again once the model is
-  loaded and the task has derived its lengths. None = not known yet (skipped)."""
+  """Prompt + new tokens against the model's positions, the rollout's top-k sizes against
+  its vocabulary, and DAPO's overlong buffer against the new tokens. Run by `validate` with
+  what the config alone tells (explicit lengths, the warm-up arch or model.path's
+  config.json), and by the trainer again once the model is loaded and the task has derived
+  its lengths. None = not known yet (skipped)."""
   P = prompt_len or c.task.max_prompt_len
   R = new_tokens or c.task.max_new_tokens
+  if R:
+    _require(c.rl.overlong_buffer < R, ["rl.overlong_buffer", "task.max_new_tokens"],
+             f"overlong_buffer={c.rl.overlong_buffer} must be below the {R} new tokens (the "
+             "penalty ramps over the last overlong_buffer tokens before the limit)")
   if max_positions and P + R > max_positions:
     if P and R:
       _require(False, ["task.max_prompt_len", "task.max_new_tokens"],

@@ -18,7 +18,9 @@ the trainer and AOT alike.
 Who computes what (the TRM paper's setting: pi_roll != pi_theta):
   (1) prompts at data position `state.data_pos` (a pure function of the seed and the index);
   (2) rollout by the sampler: its own dtype, logit noise, router noise and KV cache (pi_roll);
-  (3) rewards from the decoded completions;
+  (3) rewards from the decoded completions, with DAPO's shaping and dynamic sampling when the
+      config asks (`fill_batch`: top-up rounds of more prompts replace the groups whose
+      rewards are all equal; the data position advances by every prompt rolled out);
   (4) learner `score`: pi_theta's log-probs of the sampled tokens, TRM's sequence mask and
       monitors, Sparse-RL weights (no gradient);
   (5) GRPO advantages per group (the baseline may use TRM's mask: `rl.baseline`);
@@ -53,6 +55,7 @@ from trm_jax.data import math_reward
 from trm_jax.data import summarize as eval_summary
 from trm_jax.programs import DTYPES, OOM_KNOBS, Programs, narrowed  # noqa: F401 (DTYPES: train)
 from trm_jax.rl import advantages as adv_lib
+from trm_jax.rl import dapo
 from trm_jax.rl.learner import LearnerBatch
 from trm_jax.rollout.sampler import check_prompts
 
@@ -127,6 +130,7 @@ class InFlight:
   pb: Any                     # PromptBatch (problem ids per row)
   ro: Any                     # Rollout (device arrays, possibly still being computed)
   version: int                # parameter version that sampled it
+  params: Any                 # those parameters as the sampler read them (top-up rounds)
   sync: dict                  # sync/seconds, sync/bytes (disaggregated sampler only)
 
 
@@ -182,14 +186,14 @@ def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: n
 # ------------------------------------------------------------------------------------------
 def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   """One rollout batch and its updates; returns (next state, metrics of this step)."""
-  c, task = ctx.c, ctx.task
+  c = ctx.c
   t0 = time.time()
   step = state.step + 1
   k_perm = _step_keys(ctx.rng, step)[1]
 
   # --- (1) prompts and (2) rollout: pi_roll (sampler dtype, noise, cache, staleness) ---------
   fl = state.pending if state.pending is not None else dispatch_rollout(ctx, state)
-  problems, pb, ro = fl.problems, fl.pb, fl.ro
+  ro = fl.ro
   lag = state.step - fl.version               # updates between pi_roll and pi_theta
   # The parameters this rollout's successors need: this step's pre-update parameters join
   # the history, narrowed to the sampler's dtype (copied: the update below donates their
@@ -208,8 +212,8 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
                             data_pos=state.data_pos + n_prompts, history=history)
     return _dispatch_next(ctx, next_state), rollout_metrics
 
-  # --- (3) rewards ---------------------------------------------------------------------------
-  rewards = rewards_of(ctx.tok, ro, problems, pb.problem_ids, task.max_prompt_len)
+  # --- (3) rewards, DAPO's shaping and dynamic sampling's top-up rounds -----------------------
+  filled = fill_batch(ctx, state, fl)
   t_roll = time.time() - t0
 
   # Fault injection (debug.nan_step): that step's advantages, so its loss and every gradient,
@@ -217,8 +221,8 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
   nan = step == c.debug.nan_step
   if "score_update" in ctx.programs.programs:
     # --- (4)-(6) in one program: one update of the whole batch, scored from its forward ------
-    batch = learner_batch(ctx, ro)
-    adv_rewards = np.full_like(rewards, np.nan) if nan else rewards
+    batch = learner_batch(ctx, filled.ro, learn=filled.learn)
+    adv_rewards = np.full_like(filled.rewards, np.nan) if nan else filled.rewards
     with oom_hints("learner update"):
       params, opt_state, aux, metrics = ctx.programs["score_update"](
           state.params, state.opt_state, ctx.rest, batch, shd.put_batch(adv_rewards, ctx.mesh))
@@ -226,10 +230,10 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
     upd = [aux]
   else:
     # --- (4) score: pi_theta (the current parameters) on the rollout, TRM mask, monitors ---
-    batch, seq_mask, metrics = score_rollout(ctx, state.params, ro)
+    batch, seq_mask, metrics = score_rollout(ctx, state.params, filled.ro, learn=filled.learn)
 
     # --- (5) advantages: GRPO, per group of rl.group_size rollouts of one prompt -----------
-    adv = _group_advantages(rewards, group_size=c.rl.group_size,
+    adv = _group_advantages(filled.rewards, group_size=c.rl.group_size,
                             normalize_std=c.rl.normalize_std, seq_mask=seq_mask,
                             baseline=c.rl.baseline)
     if nan:
@@ -239,25 +243,116 @@ def rl_step(ctx: RLContext, state: TrainState) -> tuple[TrainState, dict]:
     # --- (6) updates: rl.num_epochs passes of rl.num_minibatches minibatches ---------------
     params, opt_state, upd = run_updates(ctx, state, batch, k_perm, step)
   next_state = _dispatch_next(ctx, TrainState(
-      params=params, opt_state=opt_state, step=step, data_pos=state.data_pos + n_prompts,
+      params=params, opt_state=opt_state, step=step, data_pos=state.data_pos + filled.prompts,
       history=history))
 
   # --- metrics --------------------------------------------------------------------------------
   metrics = {k: float(v) for k, v in metrics.items()}
   for k in upd[0]:
     metrics[k] = float(np.mean([float(a[k]) for a in upd]))
-  n_tok = float(jnp.sum(batch.response_mask))
   dt = time.time() - t0
-  metrics.update({"reward": float(rewards.mean()), "accuracy": float((rewards > 0.5).mean()),
-                  "response_len": n_tok / rewards.shape[0], **rollout_metrics,
-                  "time/rollout_s": t_roll, "time/step_s": dt,
-                  "throughput/tokens_per_s": n_tok / max(dt, 1e-9)})
+  metrics.update({**filled.metrics, **rollout_metrics, "time/rollout_s": t_roll,
+                  "time/step_s": dt, "throughput/tokens_per_s": filled.tokens / max(dt, 1e-9)})
   return next_state, metrics
 
 
-def learner_batch(ctx: RLContext, ro) -> LearnerBatch:
+@dataclasses.dataclass
+class Filled:
+  """(3)'s output: the batch the learner trains on and what the step sampled for it."""
+  ro: Any                     # Rollout of rl.batch_size rows, groups of rl.group_size
+  rewards: np.ndarray         # [B] float32 rewards the advantages take (shaped)
+  learn: np.ndarray           # [B] bool rows that enter the loss (the others keep their
+                              #   reward in their group's baseline)
+  prompts: int                # prompts rolled out this step (the data position's advance)
+  tokens: float               # response tokens sampled this step, every round
+  metrics: dict               # reward, accuracy, response_len over every row sampled; dapo/*
+
+
+def fill_batch(ctx: RLContext, state: TrainState, fl: InFlight) -> Filled:
+  """(3): the rollout's rewards, with DAPO's shaping (Yu et al. 2025; `rl.dapo`) when the
+  config asks for it.
+
+  rl.overlong_buffer > 0 adds the soft overlong penalty to the rewards; rl.mask_truncated
+  takes the responses cut at task.max_new_tokens out of the loss (not out of their group's
+  baseline). rl.dynamic_sampling: groups whose rewards are all equal carry no GRPO signal;
+  up to rl.dynamic_sampling_max_rounds - 1 top-up rounds roll out more prompts (the next
+  ones of the data stream, with the same parameters, each round with its own key) and their
+  groups with signal take those groups' places, so the batch keeps its rows (static shapes
+  for the learner's programs). A top-up round is a call of the continuous-batching sampler on
+  just the prompts it needs (`dapo.topup_prompts`), not a second batch. Groups still without
+  signal stay as rows out of the loss; `dapo/fill_rate` is the fraction of groups with
+  signal. Every round's rewards are computed on every process, so all agree on the plan.
+  """
+  c, task = ctx.c, ctx.task
+  shaping = dapo.Shaping.from_config(c.rl)
+  G = c.rl.group_size
+  U = c.rl.batch_size // G
+  ro = fl.ro
+  first = shaped_rewards(ctx, shaping, ro, fl.problems, fl.pb)
+  rewards, learn, seen = first.rewards, first.learn, [first]
+  prompts, dyn = U, {}
+  if shaping.dynamic_sampling:
+    signal = dapo.group_signal(rewards, G)
+    with_signal, rounds = int(signal.sum()), 1
+    key = _step_keys(ctx.rng, state.step + 1)[0]
+    mesh = ctx.sampler_mesh or ctx.mesh
+    while not signal.all() and rounds < shaping.max_rounds:
+      n = dapo.topup_prompts(int((~signal).sum()), with_signal, prompts, batch_prompts=U,
+                             group_size=G, shards=shd.batch_shards(mesh))
+      problems = task.batch(state.data_pos + prompts, n)
+      pb = task.prompts(problems, G)
+      src = sample(ctx, fl.params, pb, jax.random.fold_in(key, rounds))
+      src = src.replace(policy_version=np.full(src.tokens.shape[0], fl.version, np.int32))
+      got = shaped_rewards(ctx, shaping, src, problems, pb)
+      src_signal = dapo.group_signal(got.rewards, G)
+      take, from_round, signal = dapo.fill_plan(signal, src_signal, G)
+      ro = _merge_rows(ro, src, *shd.put_batch((take, from_round), mesh))
+      rewards = np.where(from_round, got.rewards[take], rewards)
+      learn = np.where(from_round, got.learn[take], learn)
+      seen.append(got)
+      prompts, with_signal, rounds = prompts + n, with_signal + int(src_signal.sum()), rounds + 1
+    learn = learn & np.repeat(signal, G)
+    dyn = {"dapo/fill_rate": float(signal.mean()), "dapo/rounds": float(rounds),
+           "dapo/prompts": float(prompts), "dapo/signal_rate": with_signal / prompts}
+  every = lambda f: np.concatenate([getattr(r, f) for r in seen])   # each row sampled
+  raw, lengths = every("raw"), every("lengths")
+  metrics = {"reward": float(raw.mean()), "accuracy": float((raw > 0.5).mean()),
+             "response_len": float(lengths.mean()),
+             "rollout/truncated_frac": float(1.0 - every("finished").mean()), **dyn}
+  if shaping.overlong_buffer:
+    metrics["dapo/overlong_penalty"] = float(np.mean(every("rewards") - raw))
+  return Filled(ro=ro, rewards=rewards, learn=learn, prompts=prompts,
+                tokens=float(lengths.sum()), metrics=metrics)
+
+
+@dataclasses.dataclass
+class Rewarded:
+  """One rollout's rewards and what DAPO's shaping reads, per row [B]."""
+  raw: np.ndarray             # float32 the task's rewards
+  rewards: np.ndarray         # float32 with the overlong penalty (rl.overlong_buffer > 0)
+  learn: np.ndarray           # bool: enters the loss (rl.mask_truncated: finished rows only)
+  lengths: np.ndarray         # int32 response tokens, EOS included
+  finished: np.ndarray        # bool: ended with EOS (not cut at task.max_new_tokens)
+
+
+def shaped_rewards(ctx: RLContext, shaping: dapo.Shaping, ro, problems, pb) -> Rewarded:
+  """One rollout's rewards: the task's, plus the overlong penalty (rl.overlong_buffer > 0);
+  with rl.mask_truncated only the rows that ended with EOS enter the loss."""
+  raw = rewards_of(ctx.tok, ro, problems, pb.problem_ids, ctx.task.max_prompt_len)
+  lengths, finished = host(ro.response_lengths), host(ro.stats.finished)
+  rewards = raw
+  if shaping.overlong_buffer:
+    rewards = raw + dapo.overlong_penalty(lengths, max_new_tokens=ctx.task.max_new_tokens,
+                                          buffer=shaping.overlong_buffer,
+                                          penalty=shaping.overlong_penalty)
+  learn = finished if shaping.mask_truncated else np.ones(raw.shape, bool)
+  return Rewarded(raw=raw, rewards=rewards, learn=learn, lengths=lengths, finished=finished)
+
+
+def learner_batch(ctx: RLContext, ro, learn: Optional[np.ndarray] = None) -> LearnerBatch:
   """The rollout as the learner's batch on its devices (advantages, logp_old and token
-  weights are placeholders that scoring fills in)."""
+  weights are placeholders that scoring fills in). Rows where `learn` [B] is False get an
+  empty response mask: out of the loss, its normaliser and TRM's monitors, like padding."""
   B, T = ro.tokens.shape
   # Onto the learner's devices first (the sampler's may be others), then computed on.
   batch = shd.put_batch(LearnerBatch(
@@ -267,15 +362,20 @@ def learner_batch(ctx: RLContext, ro) -> LearnerBatch:
       evicted_at=ro.evicted_at if ctx.lcfg.learner_mode.replays_eviction else None,
       roll_logp_full=ro.full_logp, roll_topk_logp=ro.topk_logp, roll_topk_ids=ro.topk_ids,
       routed_experts=ro.routed_experts), ctx.mesh)
-  return batch.replace(response_mask=batch.response_mask.astype(jnp.float32))
+  batch = batch.replace(response_mask=batch.response_mask.astype(jnp.float32))
+  if learn is not None and not learn.all():
+    batch = batch.replace(response_mask=_mask_rows(
+        batch.response_mask, shd.put_batch(learn.astype(np.float32), ctx.mesh)))
+  return batch
 
 
-def score_rollout(ctx: RLContext, params, ro) -> tuple[LearnerBatch, jax.Array, dict]:
-  """(4): the rollout as the learner's batch on its devices, scored by pi_theta = `params`:
-  (batch with logp_old, token weights and the reference's log-probs filled in, TRM's
-  sequence mask [B], the score pass's metrics)."""
+def score_rollout(ctx: RLContext, params, ro, learn: Optional[np.ndarray] = None
+                  ) -> tuple[LearnerBatch, jax.Array, dict]:
+  """(4): the rollout as the learner's batch on its devices (`learner_batch`), scored by
+  pi_theta = `params`: (batch with logp_old, token weights and the reference's log-probs
+  filled in, TRM's sequence mask [B], the score pass's metrics)."""
   mode = ctx.lcfg.learner_mode
-  batch = learner_batch(ctx, ro)
+  batch = learner_batch(ctx, ro, learn)
   with oom_hints("learner score pass"):
     logp_old, weights, seq_mask, metrics = ctx.score(params, ctx.rest, batch)
   batch = batch.replace(logp_old=logp_old, token_weights=weights)
@@ -332,7 +432,7 @@ def dispatch_rollout(ctx: RLContext, state: TrainState) -> InFlight:
   ro = sample(ctx, params, pb, k_roll)
   preemption.debug_point("rollout", step)   # test hook: a signal while the rollout runs
   ro = ro.replace(policy_version=np.full(ro.tokens.shape[0], version, np.int32))
-  return InFlight(problems=problems, pb=pb, ro=ro, version=version, sync=sync)
+  return InFlight(problems=problems, pb=pb, ro=ro, version=version, params=params, sync=sync)
 
 
 def _dispatch_next(ctx: RLContext, state: TrainState) -> TrainState:
@@ -451,6 +551,26 @@ def _minibatch_rows(k_perm: jax.Array, epoch, *, n: int, mb: int) -> jax.Array:
 def _take_rows(batch, order: jax.Array, i):
   """The rows order[i] of every array of `batch`."""
   return jax.tree.map(lambda x: x[order[i]], batch)
+
+
+@jax.jit
+def _mask_rows(response_mask: jax.Array, keep: jax.Array) -> jax.Array:
+  """[B, T] response mask with the rows where keep [B] is 0 emptied."""
+  return response_mask * keep[:, None]
+
+
+@jax.jit
+def _merge_rows(dst, src, take: jax.Array, from_src: jax.Array):
+  """Rollout `dst` with each row b where from_src[b] replaced by row take[b] of rollout `src`
+  (dynamic sampling: a top-up round's groups taking the places of groups without signal);
+  the decode steps of both add up."""
+  def pick(d, s):
+    return jnp.where(from_src.reshape(from_src.shape + (1,) * (d.ndim - 1)), s[take], d)
+  stats = dst.stats.replace(finished=pick(dst.stats.finished, src.stats.finished),
+                            entropy=pick(dst.stats.entropy, src.stats.entropy),
+                            decode_steps=dst.stats.decode_steps + src.stats.decode_steps)
+  rows = jax.tree.map(pick, dst.replace(stats=None), src.replace(stats=None))
+  return rows.replace(stats=stats)
 
 
 _group_advantages = jax.jit(adv_lib.group_advantages,
