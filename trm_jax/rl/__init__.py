@@ -2,9 +2,12 @@
 
   advantages  GRPO group-normalised advantages (with / without std; Dr.GRPO), baseline over
               all rollouts of a group by default (TRM-masked ones included, see the module).
-  objectives  the OBJECTIVES registry: trm_surrogate | ppo_clip | tis, chosen by name
-              (rl.objective); each takes TRM's sequence mask, four loss aggregation modes,
-              optional k3 KL to a reference (token masking is the TRM criterion token_mask).
+  objectives  the OBJECTIVES registry: trm_surrogate | ppo_clip | tis | gspo | cispo, chosen
+              by name (rl.objective); each takes TRM's sequence mask, four loss aggregation
+              modes, optional k3 KL to a reference (token masking is the TRM criterion
+              token_mask).
+  dapo        DAPO's batch shaping: overlong penalty, dynamic sampling's group test and
+              top-up plan (the trainer's step applies them).
   modes       the MODES registry of learner modes (smd.mode): off | dense | naive |
               sparse_rl | smd, what each scores, replays, distils and weights.
   optim       AdamW + warmup-cosine + global-norm clipping; gradient accumulation that equals

@@ -3,7 +3,8 @@
   bounds      compute_bounds(T, delta=, eps=, kl_seq=, tv_seq=, dbar=) -> the bound family + B*
   divergence  per-token KL(roll || theta) / TV (full logits, top-k + tail), k1/k2/k3,
               per-sequence reductions and batch estimates of the bound inputs
-  masking     sequence-mask criteria by name, ANDed by apply_criteria
+  masking     sequence-mask criteria in the CRITERIA registry (TRM's, and the seq_mis /
+              geo_mean masks other frameworks ship), ANDed by apply_criteria
   monitors    rejection rates (overall / per criterion / by length), PPL gap, empirical B*,
               r + D_TV^seq
 
@@ -15,7 +16,7 @@ from trm_jax.trm.divergence import (BatchEstimates, batch_estimates, k3, sample_
                                     seq_max, seq_mean, seq_sum, token_divergences,
                                     topk_tail_divergences)
 from trm_jax.trm.masking import (CRITERIA, Criterion, MaskResult, TokenStats, apply_criteria,
-                                 ln_trm_weights, token_stats)
+                                 ln_trm_weights, register_criterion, token_stats)
 from trm_jax.trm.monitors import (empirical_bounds, masked_token_fraction, ppl_gap,
                                   precondition_free_term, rejection_by_length, rejection_rate,
                                   trm_monitors)
@@ -25,7 +26,7 @@ __all__ = [
     "BatchEstimates", "batch_estimates", "k3", "sample_estimators", "seq_max", "seq_mean",
     "seq_sum", "token_divergences", "topk_tail_divergences",
     "CRITERIA", "Criterion", "MaskResult", "TokenStats", "apply_criteria", "ln_trm_weights",
-    "token_stats",
+    "register_criterion", "token_stats",
     "empirical_bounds", "masked_token_fraction", "ppl_gap", "precondition_free_term",
     "rejection_by_length", "rejection_rate", "trm_monitors",
 ]
