@@ -105,18 +105,20 @@ def restore(workdir: str, out: str) -> None:
     print(f"[restore] {len(run_archive.restore_runs(own, workdir, CONFIG))} runs from {own}")
 
 
+def planned(workdir: str, names_by_method: dict) -> dict[str, list[sweep.Cell]]:
+  """{method: its cells as planned in WORKDIR} for {method: cell names}."""
+  _, cells = sweep.load_plan(workdir)
+  by_name = {c.name: c for c in cells}
+  missing = [n for ns in names_by_method.values() for n in ns if n not in by_name]
+  if missing:
+    raise SystemExit(f"runs {missing} are not in {workdir}: run with --restore")
+  return {m: [by_name[n] for n in ns] for m, ns in names_by_method.items()}
+
+
 def reference_cells(workdir: str) -> dict[str, list[sweep.Cell]]:
   """The reference runs as planned in WORKDIR (after `restore`), by method."""
-  _, planned = sweep.load_plan(workdir)
-  by_name = {c.name: c for c in planned}
-  out = {}
-  for m, parts in REFERENCE.items():
-    names = [n for _, ns in parts for n in ns]
-    missing = [n for n in names if n not in by_name]
-    if missing:
-      raise SystemExit(f"reference runs {missing} are not in {workdir}: run with --restore")
-    out[m] = [by_name[n] for n in names]
-  return out
+  return planned(workdir, {m: [n for _, ns in parts for n in ns]
+                           for m, parts in REFERENCE.items()})
 
 
 def clip_fraction(workdir: str, cells) -> list[float]:
@@ -177,7 +179,7 @@ def tables(workdir: str, groups: dict, k: int) -> tuple[str, str, dict]:
                   "heldout_gain_mean": finite(g), "heldout_gain_se": finite(se),
                   **{k: finite(report.finite_mean(st[k])) for k, _, _ in MEASURES[1:]},
                   "clip_frac": finite(report.finite_mean(clip)),
-                  "per_seed": {k: dict(zip(map(str, st["seed"]), st[k]))
+                  "per_seed": {k: dict(zip(map(str, st["seed"]), map(finite, st[k])))
                                for k, _, _ in MEASURES}}
     rows.append([m + (" (committed)" if m in REFERENCE else ""), len(st["gain"]),
                  tlh.fmt_gain(st["gain"]), report.fmt_values(st["avg_first"]),
