@@ -171,10 +171,12 @@ def test_mask_truncated_leaves_the_loss_not_the_baseline(shared_run, monkeypatch
 
 @pytest.mark.slow
 def test_dynamic_sampling_from_the_command_line_logs_the_fill_rate(tmp_path, shared_run):
-  args = [sys.executable, "-m", "trm_jax.train", "--config", "tiny_dapo",
+  # tiny_trm at test_train_resume's batch shape: its programs are in the shared cache.
+  args = [sys.executable, "-m", "trm_jax.train", "--config", "tiny_trm",
           "--workdir", str(tmp_path / "w"), "--config.total_steps=2",
           "--config.rl.batch_size=16", "--config.rl.group_size=4", "--config.eval_problems=0",
-          "--config.export_hf=False", "--config.rl.dynamic_sampling=True", *shared_run.cli_args()]
+          "--config.export_hf=False", "--config.rl.dynamic_sampling=True",
+          "--config.rl.overlong_buffer=8", *shared_run.cli_args()]
   p = subprocess.run(args, cwd=ROOT, env=shared_run.env(), capture_output=True, text=True,
                      timeout=900)
   assert p.returncode == 0, p.stderr[-3000:]
