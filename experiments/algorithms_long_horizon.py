@@ -233,12 +233,20 @@ def main(argv=None) -> int:
   order = [cs[i] for i in range(len(seeds)) for cs in groups.values()]
   archive = os.path.join(args.out, ARCHIVE)
 
+  def save() -> None:
+    # Every new-method run in the workdir, not only this command's: a grid resumed one method
+    # or seed at a time (--methods, --seeds) keeps the runs of the others in its archive.
+    _, planned = sweep.load_plan(args.workdir)
+    mine = {f"setting={SETTING},method={m}," for m in METHODS}
+    run_archive.archive_runs(args.workdir, archive, cells=[
+        c for c in planned if c.name.rsplit("seed=", 1)[0] in mine])
+
   def on_done(_, status: str) -> None:
     if status == "ok":   # a grid of an hour loses at most the runs in flight
-      run_archive.archive_runs(args.workdir, archive, cells=order)
+      save()
 
   rows = report.run_grid(CONFIG, order, args, on_done=on_done)
-  run_archive.archive_runs(args.workdir, archive, cells=order)
+  save()
   groups = {**refs, **groups}
   sweep.plot_grouped(args.workdir, (f"eval/avg@{args.eval_samples}",) + tlh.CURVE_KEYS,
                      os.path.join(args.out, "curves.png"), groups=groups)
