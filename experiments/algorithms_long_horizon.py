@@ -251,9 +251,11 @@ def main(argv=None) -> int:
   sweep.plot_grouped(args.workdir, (f"eval/avg@{args.eval_samples}",) + tlh.CURVE_KEYS,
                      os.path.join(args.out, "curves.png"), groups=groups)
   table, diff_table, per_method = tables(args.workdir, groups, args.eval_samples)
-  done = sum(sweep.is_done(args.workdir, c) for c in order)
+  missing = [c.name for c in order if not sweep.is_done(args.workdir, c)]
+  done = len(order) - len(missing)
   from trm_jax import warmup  # pylint: disable=g-import-not-at-top
-  progress = {"runs_done": done, "runs_planned": len(order), "complete": done == len(order),
+  progress = {"runs_done": done, "runs_planned": len(order), "complete": not missing,
+              "missing": missing,
               "base_sha256": warmup.model_digest(BASE), "cpu": cpu_model()}
   report.write_text(os.path.join(args.out, "summary.json"), json.dumps(
       {"setting": {"name": SETTING, "overrides": tlh.MISMATCHES[SETTING],
@@ -274,8 +276,10 @@ def main(argv=None) -> int:
       "experiments/results/trm_long_horizon (exact, PPO-clip seed 0) and "
       "experiments/results/trm_long_horizon_delta (TRM-max, PPO-clip seeds 1-2).",
       *([] if progress["complete"] else [
-          f"**Interim: {done} of the {len(order)} new runs have finished**; the numbers change "
-          "when the grid completes (rerun the command to go on)."]),
+          f"**Interim: {done} of the {len(order)} new runs have finished**; missing: "
+          + ", ".join(f"`{n}`" for n in missing) + ". Differences are over the seeds both "
+          "methods have; with one seed there is no standard error. The numbers change when the "
+          "grid completes (rerun the command to go on)."]),
       "## Runs", table,
       "`clipped`: the mean over steps of the objective's clip fraction (GSPO: sequences whose "
       "ratio left [1 - 3e-4, 1 + 4e-4]; CISPO and PPO-clip: tokens).",

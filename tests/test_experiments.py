@@ -286,26 +286,38 @@ def test_answer_forms_counts_what_it_samples(shared_run):
 def test_algorithms_long_horizon_report_is_what_its_archives_give(tmp_path):
   """The committed comparison of GSPO, CISPO and PPO-clip + seq_mis / geo_mean with TRM-max,
   PPO-clip and the exact sampler (experiments/results/algorithms_long_horizon) is recomputed
-  from the committed run archives alone, its own and the references': every method's numbers,
-  and each paired difference's mean and 2 s.e. from the per-seed values."""
+  from the committed run archives alone, its own and the references': the runs it counts and
+  names missing, every method's numbers, and each paired difference's mean and 2 s.e. over
+  the seeds both methods have (none for one seed)."""
   from experiments import algorithms_long_horizon as alh  # pylint: disable=g-import-not-at-top
-  from trm_jax import sweep  # pylint: disable=g-import-not-at-top
+  from trm_jax import run_archive, sweep  # pylint: disable=g-import-not-at-top
   out = os.path.join(alh.RESULTS, "algorithms_long_horizon")
   committed = json.loads(open(os.path.join(out, "summary.json")).read())
-  assert committed["complete"], "the committed grid is interim"
   w = str(tmp_path / "w")
   for a in sorted({a for parts in alh.REFERENCE.values() for a, _ in parts}):
-    sweep.restore_runs(os.path.join(alh.RESULTS, a), w, alh.CONFIG)
-  sweep.restore_runs(os.path.join(out, alh.ARCHIVE), w, alh.CONFIG)
-  new = alh.planned(w, {m: [f"setting={alh.SETTING},method={m},seed={s}" for s in (0, 1, 2)]
-                        for m in alh.METHODS})
+    run_archive.restore_runs(os.path.join(alh.RESULTS, a), w, alh.CONFIG)
+  archived = set(run_archive.restore_runs(os.path.join(out, alh.ARCHIVE), w, alh.CONFIG))
+  grid = [f"setting={alh.SETTING},method={m},seed={s}" for s in (0, 1, 2) for m in alh.METHODS]
+  assert archived <= set(grid)
+  assert committed["runs_done"] == len(archived)
+  assert committed["missing"] == [n for n in grid if n not in archived]
+  assert committed["complete"] == (not committed["missing"])
+  _, planned = sweep.load_plan(w)
+  new = {m: [c for c in planned if c.name.startswith(f"setting={alh.SETTING},method={m},")]
+         for m in alh.METHODS}
   _, _, methods = alh.tables(w, {**alh.reference_cells(w), **new}, 4)
   assert json.loads(json.dumps(methods)) == committed["methods"]
   for m in alh.METHODS:
+    if m not in committed["methods"]:
+      assert not new[m]
+      continue
     for ref in alh.REFERENCE:
       for key, _, _ in alh.MEASURES:
         a, b = (committed["methods"][x]["per_seed"][key] for x in (m, ref))
-        d = np.array([a[s] - b[s] for s in ("0", "1", "2")])
+        d = np.array([a[s] - b[s] for s in sorted(set(a) & set(b))])
         got = committed["methods"][m]["minus"][ref][key]
-        assert got["diff"] == pytest.approx(d.mean(), abs=1e-12)
-        assert got["two_se"] == pytest.approx(2 * d.std(ddof=1) / math.sqrt(3), abs=1e-12)
+        assert got["seeds"] == len(d) and got["diff"] == pytest.approx(d.mean(), abs=1e-12)
+        if len(d) > 1:
+          assert got["two_se"] == pytest.approx(2 * d.std(ddof=1) / math.sqrt(len(d)), abs=1e-12)
+        else:
+          assert got["two_se"] is None
