@@ -112,6 +112,12 @@ def test_finished_runs_move_to_another_workdir(swept, tmp_path):
   run_archive.archive_runs(workdir, path)
   with open(path, "rb") as f:
     assert f.read() == first                      # same runs, same bytes
+  # `cells` archives a subset (an experiment's own runs beside the ones it restored).
+  _, planned = sweep.load_plan(workdir)
+  one = str(tmp_path / "one.jsonl.gz")
+  assert run_archive.archive_runs(workdir, one, cells=planned[1:]) == [planned[1].name]
+  assert gzip.decompress(open(one, "rb").read()).decode().splitlines() == \
+      gzip.decompress(first).decode().splitlines()[1:]
   # Each run carries the config it was made under (its config.json).
   entries = [json.loads(line) for line in gzip.decompress(first).decode().splitlines()]
   with open(os.path.join(workdir, "cells", "seed=1", "config.json")) as f:
