@@ -94,8 +94,11 @@ def _context(shared_run, new_tokens=0, **rl):
   return ctx, state, mesh
 
 
-def _recording(monkeypatch):
-  """Records each step's Filled batch and the learner batch its updates receive."""
+def _recording(monkeypatch, ctx):
+  """Records each step's Filled batch and what its update receives: the rows in the loss and
+  the advantages. With one update per batch the update is the one score_update program,
+  which takes the rewards and computes GRPO's advantages inside (over every row of a group,
+  as the separate path does): recorded from the rewards it receives."""
   seen = []
   fill, updates = step_lib.fill_batch, step_lib.run_updates
 
@@ -109,13 +112,23 @@ def _recording(monkeypatch):
     return updates(ctx, state, batch, k_perm, step)
   monkeypatch.setattr(step_lib, "fill_batch", fill_batch)
   monkeypatch.setattr(step_lib, "run_updates", run_updates)
+  if "score_update" in ctx.programs.programs:
+    fused = ctx.programs.programs["score_update"]
+
+    def score_update(params, opt_state, rest, batch, rewards):
+      seen[-1]["rewards"] = np.asarray(rewards)
+      seen[-1]["adv"] = np.asarray(group_advantages(rewards, group_size=ctx.c.rl.group_size,
+                                                    normalize_std=ctx.c.rl.normalize_std))
+      seen[-1]["rows"] = np.asarray(batch.response_mask).sum(1)
+      return fused(params, opt_state, rest, batch, rewards)
+    monkeypatch.setitem(ctx.programs.programs, "score_update", score_update)
   return seen
 
 
 @pytest.mark.slow
 def test_dynamic_sampling_never_trains_on_a_group_without_signal(shared_run, monkeypatch):
   ctx, state, mesh = _context(shared_run, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
-  seen = _recording(monkeypatch)
+  seen = _recording(monkeypatch, ctx)
   G, U = 4, 4
   with jax.set_mesh(mesh):
     for _ in range(2):
@@ -151,7 +164,7 @@ def test_mask_truncated_leaves_the_loss_not_the_baseline(shared_run, monkeypatch
   # 10 new tokens: the shared base's longer worked solutions are cut at the limit.
   ctx, state, mesh = _context(shared_run, new_tokens=10, mask_truncated=True, overlong_buffer=3,
                               overlong_penalty=0.5)
-  seen = _recording(monkeypatch)
+  seen = _recording(monkeypatch, ctx)
   with jax.set_mesh(mesh):
     _, m = step_lib.rl_step(ctx, state)
   rec = seen[0]

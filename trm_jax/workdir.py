@@ -34,7 +34,7 @@ CONFIG_FILE = "config.json"
 # evaluation, checkpoint cadence, export, placement). A prefix ending in "." covers a section.
 FREE_KEYS = ("log_every", "eval_every", "eval_problems", "eval_samples", "eval_temperature",
              "eval_top_p", "ckpt_every", "keep_ckpts", "export_hf", "plot", "warmup.cache_dir",
-             "mesh.")
+             "compilation_cache", "mesh.")
 
 
 class WorkdirError(RuntimeError):
