@@ -22,12 +22,12 @@ too, so the decode step is compared with it in the same conditions.
 
 Hygiene (`bench.hygiene`): every timed call records the load and the CPU time other processes
 used during it; a round with any contended call is reported under `contended_rounds`, never
-under `results`. Only same-run ratios mean anything: the CPU model changes between sessions.
+under `results`. Only same-run ratios mean anything: absolute rates change with the CPU model and its load.
 
 The SnapKV comparison (prompt 2048, batch 2, 50% of the prompt kept) times the decode loop
 alone (`run_phase("decode")`), since the prefill is identical for both and several times longer.
 
-Long-horizon modes (issue #23), each with its own JSON file; neither runs the fixed-shape one:
+Long-horizon modes, each with its own JSON file; neither runs the fixed-shape one:
 
   python -m bench.rollout --grpo [--quick]    # bench/results/rollout_grpo.json
   python -m bench.rollout --curve [--quick]   # bench/results/rollout_curve.json
@@ -50,7 +50,7 @@ vocab 4096, fp32) written by `save_pretrained` and loaded by every contender.
   times, order rotated, every contender with the same seed within a repeat. Per contender:
   median wall seconds for all rows, generated tokens, useful tokens/s, response-length stats
   (mean/median/p90/max); speedups t(other) / t(ours_slots{S}) and, for the fastest S, the
-  issue's goals (`GRPO_GOALS`: >= 3x ours all at once, >= 4x transformers and Tunix, ahead of
+  goals (`GRPO_GOALS`: >= 3x ours all at once, >= 4x transformers and Tunix, ahead of
   transformers' continuous batching). While `generate` takes no `slots` / `group_size` (the
   continuous-batching sampler not landed; `inspect.signature`), only `ours_all_g1` of ours
   runs and the JSON says "slots_supported": false. A contender that cannot run is listed
@@ -399,7 +399,7 @@ SMALL_ARCH = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_h
 EOS_ID = 1              # prompts draw ids from [FIRST_PROMPT_ID, vocab): never pad 0 nor EOS
 FIRST_PROMPT_ID = 2
 EOS_CONSTANT = 1.0      # the value hidden dimension 0 holds in the residual stream (plant_eos)
-# Speedup of ours with slots (wall time for all rows) the issue asks for, per other contender;
+# Speedup of ours with slots (wall time for all rows) aimed at, per other contender;
 # transformers' continuous batching: ahead of it.
 GRPO_GOALS = {"ours_all": 3.0, "transformers": 4.0, "tunix": 4.0, "transformers_cb": 1.0}
 
@@ -947,7 +947,7 @@ def main(argv=None):
   ap.add_argument("--wait-quiet", type=float, default=0.0,
                   help="seconds to wait at most for a 1-minute load below 0.5 before starting")
   ap.add_argument("--out", default=None, help="output JSON (default: by mode, in bench/results)")
-  g = ap.add_argument_group("long-horizon modes (issue #23)")
+  g = ap.add_argument_group("long-horizon modes")
   g.add_argument("--grpo", action="store_true", help="GRPO-shaped EOS workload, rollout_grpo.json")
   g.add_argument("--grpo-slots", type=int, nargs="+", default=None,
                  help="slot counts S of ours with continuous batching (default 32 64 128)")

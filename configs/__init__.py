@@ -5,6 +5,8 @@
 
   tiny_trm            the default main job: GRPO + TRM-max on the synthetic task, CPU, minutes
   tiny_smd            Shadow Mask Distillation with 50 % H2O-compressed rollouts, CPU
+  tiny_trm_long       a long-horizon task (running sums of 14-22 operands, 140-265-token
+                      responses): the base of experiments/trm_long_horizon.py, CPU
   tiny_moe_mismatch   a Qwen3-MoE-shaped tiny policy with router jitter in the sampler
   qwen3_8b_dapo_trm   the TRM paper's run: Qwen3-8B on DAPO-Math-17k (an accelerator pod)
   qwen3_4b_smd_gsm8k  the SMD paper's run: Qwen3-4B on GSM8K (an accelerator pod)

@@ -5,9 +5,8 @@ r"""A long-horizon task with headroom: the TRM experiment's base (experiments/tr
 Running sums of 14-22 distinct two-digit operands, every step written out ("313+86=399"), so a
 worked solution is 140-265 tokens (mean 198) and one slip anywhere makes the answer wrong: a
 per-step accuracy p gives about p^steps, the regime where a sequence's trust region matters
-(TRM paper Sec. 3). It was 10-18 operands until that grid's comparison
-(experiments/results/trm_long_horizon_10_18) measured responses of 106-109 tokens under KV
-eviction, under the 128 the experiment asks for.
+(TRM paper Sec. 3). KV eviction shortens responses; at 14 or more operands they stay above
+128 tokens under it (144-181 on average in the committed grid).
 The operands are distinct, so the next operand is "the one after the operand just added", a
 lookup a 2-layer model can learn; with repeated values it cannot (it writes the same operand
 again). The sampler is exact here (fp32, no logit noise, synchronous): the experiment adds the
@@ -26,17 +25,16 @@ def get_config(arg=None):
   c.eval_every = 50
   c.ckpt_every = 50
   c.export_hf = False
-  c.warmup.steps = 1000     # at 10-18 operands 400 left held-out greedy accuracy at 0.05 and
-                            #   1000 gave 0.92 with the mix below (avg@4 0.645, Intel Xeon);
-                            #   at 14-22 greedy 0.672, avg@4 0.297 (AMD EPYC)
+  c.warmup.steps = 1000     # the worked skill appears abruptly between 700 and 1000 steps;
+                            #   the committed base (experiments/results/trm_long_horizon/base,
+                            #   built on an AMD EPYC: the warm-up differs by CPU) scores
+                            #   held-out avg@4 0.230, greedy 0.534
   c.warmup.cache_dir = "~/.cache/trm_jax/tiny_long_base"
   c.warmup.answer_only_frac = 0.2   # a fifth of the demonstrations give the answer alone (the
-                                    #   main job's mix): the base then answers a quarter of its
-                                    #   problems unworked and wrong, and GRPO's exact sampler
-                                    #   gains +0.18 held-out by learning to work them out (10-18
-                                    #   operands; +0.215 in 100 steps at 14-22). Worked only,
-                                    #   it gained +0.105 in 300 steps; 0.4 or 700 warm-up steps
-                                    #   leave too weak a base (docs/results.md)
+                                    #   main job: 0.3): the base then answers part of its
+                                    #   problems unworked and wrong, and the exact sampler
+                                    #   gains +0.191 held-out in 100 steps (five seeds,
+                                    #   docs/results.md); 0.4 leaves too weak a base
   c.task.synthetic.update(dict(min_operands=14, max_operands=22, min_value=10, max_value=99,
                                distinct=True))
   c.rollout.dtype = "float32"

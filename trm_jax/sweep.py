@@ -572,8 +572,8 @@ def span_seconds(workdir: str, cells: Optional[Sequence[Cell]] = None) -> float:
   which is the union of every grid run in it: an experiment whose phases share a workdir
   passes each phase's cells, or a phase's span counts the others' runs): the time during
   which at least one of them was training, from the steps' own clocks, so a later
-  re-aggregation or re-evaluation does not count, nor does the pause of a grid stopped in one
-  session and resumed in the next, even inside a cell that was stopped mid-run. Each metrics
+  re-aggregation or re-evaluation does not count, nor does the pause of a grid stopped on one
+  machine and resumed later, even inside a cell that was stopped mid-run. Each metrics
   record stands for the interval [wall_time - time/step_s - time/eval_s, wall_time] (the step
   and its held-out evaluation); the union of all intervals is counted once. Excludes process
   start-up, checkpoint restore and the one-off base-model warm-up.

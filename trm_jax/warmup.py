@@ -175,8 +175,8 @@ def copy_base(src: str, dst: str) -> str:
 def install_base(src: str, c: ml_collections.ConfigDict) -> str:
   """Puts a copy of a warm-up's output (`src`) where `c`'s warm-up caches its base, so runs of
   `c` start from it instead of warming up again. Warm-ups are not bitwise reproducible across
-  CPUs (XLA:CPU's code differs by instruction set; the long-horizon base scored held-out avg@4
-  0.645 warmed up on an Intel Xeon and 0.566 on an AMD EPYC), so a grid continued on another
+  CPUs (XLA:CPU's code differs by instruction set; the main job's base scores held-out avg@4
+  0.504 warmed up on an Intel Xeon and 0.547 on an AMD EPYC), so a grid continued on another
   machine must carry its base. Refuses a base built with other warm-up settings; returns the
   cache path."""
   if c.model.path:

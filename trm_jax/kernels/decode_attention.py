@@ -6,7 +6,7 @@ sees no key gives zeros) without the attention probabilities. The XLA decode rea
 up to the sampler's bucket (the longest row's); here program (b, kv head) loops over the
 blocks [0, ceil(extent[b] / block)) of its own row and stops, so a row with 40 filled slots
 next to one with 4000 reads 40 (rounded up to a block), not 4000: a decode step's cost follows
-each row's live length (issue #23, item 2).
+each row's live length.
 
 Layout (the cache's own, no copy when the capacity is a multiple of the block): q [B, K, G, H],
 k [B, K, H, C] (keys transposed, slots last), v [B, K, C, H], pos [B, K, C] (-1 = empty),

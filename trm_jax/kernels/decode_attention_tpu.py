@@ -6,7 +6,7 @@ to different depths: a continuous batch's slots hold rows that started at differ
 one row may have 4000 filled slots and its neighbour 40. The XLA path reads every row up to
 the sampler's bucket (the longest row's, `rollout.cache.slot_buckets`); this kernel reads row
 b's slots [0, extent[b]) and no further, which is what makes a decode step's cost follow the
-live length on a TPU (issue #23, item 2).
+live length on a TPU.
 
 Layout (the cache's own, no copy): q [B, K, G, H] (G query heads per kv head), k [B, K, H, C]
 (keys transposed, slots last), v [B, K, C, H], pos [B, K, C] (-1 = empty), extent [B] int32.

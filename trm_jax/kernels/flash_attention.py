@@ -39,7 +39,7 @@ Triton. Written against jax 0.10.2's Pallas Triton backend. Mosaic (TPU) cannot 
 layout (squeezed head dims in the minor block dims); TPU has its own kernel with the same
 predicate, `flash_attention_tpu.py`, which `attention(impl="auto")` picks there.
 
-tokamax (evaluated 2026-12-01 on CPU, `bench/tokamax_attention.py`, tokamax 0.0.17 + jax 0.11.1
+tokamax (evaluated on CPU by `bench/tokamax_attention.py`, tokamax 0.0.17 + jax 0.11.1
 and 0.0.12 + jax 0.10.2) as the GPU path instead: its Triton attention has no segment ids; the
 predicate fits only its private `Mask` (causal, k_start = segment start for contiguous segments,
 q_end = evicted_at repeated over the G query heads, since q_end's head axis is the query-head

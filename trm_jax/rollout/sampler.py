@@ -54,29 +54,11 @@ probabilities once (the column sums are what H2O accumulates); SnapKV only needs
 ([U, P, K, H] per layer). A decode step reads the cache's live bucket: about max_i(i) + 1
 slots for the dense cache, Cp + (i - P) + 1 (at most C) for the compressed ones.
 
-Where a decode step's time went, measured before the slots and buckets above existed
-(`python -m bench.decode_profile`, bench model: Qwen3 4 layers, d 512, vocab 32000; batch 8,
-prompt 128, 128 new tokens, dense cache; quiet 2-core CPU; summed thunk times, ms per step;
-bench/results/decode_profile.json):
-
-                        fp32 before  fp32 after   bf16 before  bf16 after
-  Gumbel noise, PRNG       2.55        0.01          2.52        0.01
-  vocabulary projection    1.92        2.01          1.60        1.46
-  MLP matmuls              1.98        1.90          1.87        1.45
-  q/k/v/o matmuls          1.00        0.81          0.96        0.61
-  attention                1.10        1.10          0.53        0.65
-  sampling, entropy        0.10        0.15          0.12        0.14
-  cache writes             0.07        0.05          0.33        0.06
-  loop, casts, other       0.90        0.09          1.22        0.33
-  wall per step            8.85        5.32          8.16        4.13
-
-Before: `jax.random.categorical` (threefry Gumbel noise for all V entries, two logs and an
-argmax per row), fp32 copies of every bf16 weight made per call (XLA:CPU upcasts a bf16 x
-bf16 -> bf16 matmul) and read at every step, the o_proj weight re-laid-out at every step, bf16
-cache writes through fp32. After: `sampling.inverse_cdf` with one uniform per row, fp32
-accumulation requested so bf16 weights stay bf16 (`layers.project`), o_proj contracted as one
-[N*H] dimension, bf16 tables and caches updated as their bits. What is left is the matmuls
-(memory bound: the weights are read once per step) and attention over the cache.
+Where a decode step's time goes (`python -m bench.decode_profile`): sampling draws one uniform
+per row and inverts the CDF (`sampling.inverse_cdf`) instead of Gumbel noise over the whole
+vocabulary, and bf16 weights stay bf16 with fp32 accumulation (`layers.project`), so what is
+left is the matmuls (memory bound: the weights are read once per step) and attention over the
+cache.
 """
 from __future__ import annotations
 
