@@ -1,7 +1,7 @@
 """The SMD learner step: compiled temporary memory vs T, and step time vs plain GRPO.
 
 Two measurements of `trm_jax.rl.learner.make_learner(...)`'s `update`, side by side in one run
-(the memory and overhead figures of docs/results.md, "Benchmarks"):
+(the memory and overhead figures of docs/results.md, "Learner"):
 
   memory   `jit(update).lower(...).compile().memory_analysis().temp_size_in_bytes` at each T
            in --lengths (B = 1, a narrow model, nothing executed; shapes only). Variants:

@@ -33,7 +33,6 @@ class KVCache:
   k: jax.Array          # [B, K, H, C] keys (RoPE applied), compute dtype; transposed (slots
                         #   last) so that a decode query's logits are a [G, H] x [H, C] matmul:
                         #   contracting the last axis of [C, H] ran 4.4x slower on XLA:CPU
-                        #   (docs/results.md, "Rollouts at RL's shapes")
   v: jax.Array          # [B, K, C, H] values
   pos: jax.Array        # [B, K, C] int32 array index of the key in each slot, -1 = empty
   score: Optional[jax.Array] = None  # [B, K, C] fp32 per-slot score the policy keeps (H2O:
