@@ -158,9 +158,9 @@ def add_run_args(p, name: str, *, seeds: str, batch: int, eval_problems: int,
   p.add_argument("--seeds", default=seeds)
   p.add_argument("--steps", type=int, default=30)
   p.add_argument("--batch", type=int, default=batch, help="rollouts per step (8 per prompt)")
-  # 3e-5: with 4-8 prompts per step, lr 1e-4 and above left every method below the untrained
-  # policy on held-out problems (experiments/results/lr_batch: a gradient-noise effect, gone
-  # at 4x the batch).
+  # 3e-5: with 4-8 prompts per step, lr 1e-4 leaves these tiny policies in a gradient-noise
+  # regime (experiments/results/smd_compression_lr1e-4: the dense learner ends below the
+  # untrained policy on held-out problems).
   p.add_argument("--lr", type=float, default=lr)
   p.add_argument("--eval-problems", type=int, default=eval_problems)
   p.add_argument("--parallel", type=int, default=2)

@@ -7,8 +7,7 @@ Asynchronous RL samples batch t with the parameters of update t - 1 - k (`rl.sta
 so pi_roll lags pi_theta by k updates. Here staleness is the only mismatch: the sampler runs in
 fp32 without logit noise (`configs/tiny_trm.py` otherwise), so at k = 0 pi_roll ==
 pi_theta exactly and every divergence measured at k > 0 is the lag's. The learning rate is
-1e-4 by default (3e-5 moves the tiny policy so little in k updates that the lag is invisible;
-experiments/results/lr_batch shows 1e-4 at 64 rollouts per step trains).
+1e-4 by default (3e-5 moves the tiny policy so little in k updates that the lag is invisible).
 
   token-level     ppo_clip (ratio against the rollout's log-probs, clipped), tis (truncated IS)
   sequence-level  trm_max_kl (TRM-max, KL from the rollout's full log-probs), ln_trm
