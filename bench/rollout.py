@@ -391,7 +391,7 @@ def summarize(by_dtype: dict, snap: dict) -> dict:
   return dict(results=results, contended_rounds=contended)
 
 
-# ============================================================== long-horizon workloads (#23)
+# ============================================================== long-horizon workloads
 SMALL_ARCH = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
                   max_position_embeddings=16384, tie_word_embeddings=False, bos_token_id=None,
