@@ -33,6 +33,7 @@ HEAD_DIM = "head_dim"    # H
 MLP = "mlp"              # F
 EXPERTS = "experts"      # E
 NORM = "norm"            # RMSNorm scales (tiny: always replicated)
+LORA_RANK = "lora_rank"  # r of a low-rank adapter (models/lora.py): small, replicated
 
 # Mesh axes, outermost first.
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
@@ -54,6 +55,7 @@ DEFAULT_RULES: Rules = (
     (MLP, TENSOR),
     (EXPERTS, None),
     (NORM, None),
+    (LORA_RANK, None),
 )
 
 LOGICAL_AXES_KEY = "logical_axes"  # nnx.Param metadata key

@@ -58,6 +58,39 @@ SIZE_LIMITS = {"num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_si
                "decoder_sparse_step": 1024}
 
 
+# What a low-rank adapter can sit on: the short name of each projection (models/lora.py maps
+# them to the blocks' weights), and how a frozen base may be stored.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+BASE_QUANTS = ("none", "int8", "nf4")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters on the decoder's projections (models/lora.py): W x + (alpha / rank) *
+  B(A x) with A [in, rank], B [rank, out]; the base W frozen, stored as `base_quant` says."""
+  rank: int                          # r >= 1
+  alpha: float = 32.0                # scale alpha / rank (PEFT's lora_alpha)
+  targets: Tuple[str, ...] = LORA_TARGETS   # which projections carry an adapter
+  base_quant: str = "none"           # none (the param dtype) | int8 | nf4 (QLoRA)
+
+  def __post_init__(self):
+    object.__setattr__(self, "targets", tuple(self.targets))
+    if not (isinstance(self.rank, int) and self.rank >= 1):
+      raise ValueError(f"LoRA rank must be an integer >= 1, got {self.rank!r}")
+    if not self.alpha > 0:
+      raise ValueError(f"LoRA alpha must be > 0, got {self.alpha!r}")
+    bad = [t for t in self.targets if t not in LORA_TARGETS]
+    if bad or not self.targets or len(set(self.targets)) != len(self.targets):
+      raise ValueError(f"LoRA targets {self.targets} must be distinct names of "
+                       f"{', '.join(LORA_TARGETS)}")
+    if self.base_quant not in BASE_QUANTS:
+      raise ValueError(f"base_quant {self.base_quant!r} is not one of {', '.join(BASE_QUANTS)}")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
 def dtype_name(dtype: Any) -> str:
   """Canonical name ("float32", "bfloat16", ...) of a jnp/np dtype or dtype name."""
   name = jnp.dtype(dtype).name
@@ -106,6 +139,9 @@ class ModelConfig:
   dtype: str = "float32"              # compute dtype of activations and matmuls
   param_dtype: str = "float32"        # storage dtype of parameters
   remat: bool = False                 # rematerialise each block in the backward pass
+  # Low-rank adapters over a frozen base (None = none: every parameter is trained); not part
+  # of config.json (to_hf): an adapter is saved as a PEFT adapter or merged (hf_io).
+  lora: Optional[LoraConfig] = None
 
   def __post_init__(self):
     if self.model_type not in FAMILIES:

@@ -18,6 +18,7 @@ from flax import nnx, struct
 
 from trm_jax import sharding as shd
 from trm_jax.kernels.visibility import LayerVisibility, Visibility
+from trm_jax.models import lora
 from trm_jax.models.config import ModelConfig
 from trm_jax.models.kv_cache import CachePolicy, KVCache
 from trm_jax.models.layers import MLP, Attention, MoE, RMSNorm, Route, param
@@ -135,6 +136,8 @@ class Decoder(nnx.Module):
     if not config.tie_word_embeddings:
       self.lm_head = param(rngs, (config.hidden_size, config.vocab_size),
                            (shd.EMBED, shd.VOCAB), config.weight_dtype)
+    if config.lora is not None:   # low-rank adapters over a frozen (maybe quantized) base
+      lora.attach(self, rngs)
 
   def hidden_states(self, tokens: jax.Array, *, positions: Optional[jax.Array] = None,
                     visibility: Optional[Visibility] = None, attn_impl: str = "auto",

@@ -41,6 +41,7 @@ from safetensors.numpy import save_file
 
 from trm_jax import sharding as shd
 from trm_jax import workdir as wd
+from trm_jax.models import lora
 from trm_jax.models.config import ModelConfig
 from trm_jax.models.decoder import Decoder, abstract_model
 
@@ -337,7 +338,8 @@ def _hf_from_ours(entry: _Entry, ours: np.ndarray) -> List[np.ndarray]:
   return out
 
 
-def save_pretrained(model: Decoder, path: str, *, max_shard_bytes: Optional[int] = None) -> str:
+def save_pretrained(model: Decoder, path: str, *, max_shard_bytes: Optional[int] = None,
+                    adapter: bool = False, base: Optional[str] = None) -> str:
   """Writes config.json + safetensors that transformers' `from_pretrained` loads back.
 
   Parameters are fetched to host one at a time and written in their parameter dtype. With
@@ -346,8 +348,16 @@ def save_pretrained(model: Decoder, path: str, *, max_shard_bytes: Optional[int]
   written as temporary files and renamed once all are written: a write that fails (a full
   disk) raises `CheckpointFileError` naming `path` and the cause and removes the temporary
   files; an earlier checkpoint in `path` stays whole unless the failure came while renaming.
+
+  A model with LoRA adapters (models/lora.py) is written merged (each adapted weight
+  W + (alpha / r) A B, a quantized base dequantized), or with `adapter=True` as a PEFT
+  adapter that `peft` loads onto the transformers checkpoint `base` (models/peft_io.py).
   """
   path = os.fspath(path)
+  if adapter:
+    from trm_jax.models import peft_io  # pylint: disable=g-import-not-at-top  (imports hf_io)
+    return peft_io.save_adapter(model, path, base=base)
+  model = lora.merged(model)
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:

@@ -99,6 +99,22 @@ def _flat_rows(eq: str, x: jax.Array, w: jax.Array) -> jax.Array:
   return y.reshape(x.shape[:n] + y.shape[1:])
 
 
+def adapted(module: nnx.Module, name: str, y: jax.Array, x: jax.Array, dtype, *,
+            inference: bool = False) -> jax.Array:
+  """y = (x projected by the module's weight `name`) plus that weight's low-rank adapter
+  `<name>_lora` applied to x, when the model carries one (models/lora.py); else y."""
+  adapter = getattr(module, f"{name}_lora", None)
+  return y if adapter is None else y + adapter(x, dtype, inference=inference)
+
+
+def linear(module: nnx.Module, name: str, eq: str, x: jax.Array, dtype, *,
+           inference: bool = False) -> jax.Array:
+  """`project(eq, x, w)` by the module's weight `name`, plus its adapter (`adapted`). The
+  weight is read as `w[...]`, where a quantized frozen base (models/lora.py) dequantizes."""
+  y = project(eq, x, getattr(module, name)[...], dtype, inference=inference)
+  return adapted(module, name, y, x, dtype, inference=inference)
+
+
 def param(rngs: Optional[nnx.Rngs], shape: Sequence[int], axes: Sequence[Optional[str]],
           dtype, init: str = "normal") -> nnx.Param:
   """An nnx.Param with logical axes; init is "normal" (std INIT_STD), "ones" or "zeros"."""
@@ -190,9 +206,9 @@ class Attention(nnx.Module):
     inference: see `project` (cached decoding)."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
     x = x.astype(dt)
-    q = project("BTD,DNH->BTNH", x, self.q_proj[...], dt, inference=inference)
-    k = project("BTD,DKH->BTKH", x, self.k_proj[...], dt, inference=inference)
-    v = project("BTD,DKH->BTKH", x, self.v_proj[...], dt, inference=inference)
+    q = linear(self, "q_proj", "BTD,DNH->BTNH", x, dt, inference=inference)
+    k = linear(self, "k_proj", "BTD,DKH->BTKH", x, dt, inference=inference)
+    v = linear(self, "v_proj", "BTD,DKH->BTKH", x, dt, inference=inference)
     if cfg.qkv_bias:
       q = q + self.q_bias[...].astype(dt)
       k = k + self.k_bias[...].astype(dt)
@@ -213,6 +229,7 @@ class Attention(nnx.Module):
                   self.o_proj[...].reshape(N * H, -1), dt, inference=True)
     else:
       y = jnp.einsum("BTNH,NHD->BTD", o.astype(dt), self.o_proj[...].astype(dt))
+    y = adapted(self, "o_proj", y, o, dt, inference=inference)
     if self.cfg.o_bias:
       y = y + self.o_bias[...].astype(dt)
     return y
@@ -270,10 +287,10 @@ class MLP(nnx.Module):
     """x [B, T, D] -> [B, T, D]. inference: see `project` (cached decoding)."""
     dt = self.cfg.compute_dtype
     x = x.astype(dt)
-    g = project("BTD,DF->BTF", x, self.gate_proj[...], dt, inference=inference)
-    u = project("BTD,DF->BTF", x, self.up_proj[...], dt, inference=inference)
-    return project("BTF,FD->BTD", jax.nn.silu(g) * u, self.down_proj[...], dt,
-                   inference=inference)
+    g = linear(self, "gate_proj", "BTD,DF->BTF", x, dt, inference=inference)
+    u = linear(self, "up_proj", "BTD,DF->BTF", x, dt, inference=inference)
+    return linear(self, "down_proj", "BTF,FD->BTD", jax.nn.silu(g) * u, dt,
+                  inference=inference)
 
 
 class MoE(nnx.Module):
