@@ -50,6 +50,20 @@ def get_config(arg=None):
   c.model.dtype = "float32"        # learner compute dtype
   c.model.attn_impl = "auto"       # attention implementation (kernels.attention)
   c.model.remat = False            # rematerialise each block in the backward pass
+  # LoRA (docs/lora.md): rank 0 trains every parameter; rank r > 0 trains only low-rank
+  # adapters (y = W x + alpha / r * B A x) over the frozen base (model.path or the warm-up's)
+  c.model.lora = ml_collections.ConfigDict()
+  c.model.lora.rank = 0            # adapter rank r (0 = off: full fine-tuning)
+  c.model.lora.alpha = 32.0        # adapter scale alpha / r (PEFT's lora_alpha)
+  c.model.lora.targets = ("q", "k", "v", "o", "gate", "up", "down")  # projections adapted:
+                                   #   attention q/k/v/o, dense MLPs' gate/up/down (MoE experts
+                                   #   are never adapted)
+  c.model.lora.base_quant = "none"  # frozen base storage: "none" (model.dtype), "int8", or
+                                   #   "nf4" (QLoRA; qwix's quantization)
+  c.model.lora.path = ""           # a PEFT adapter directory to start from ("" = new
+                                   #   adapters: A random, B zero, i.e. the base itself)
+  c.model.lora.export = "adapter"  # workdir/hf at the end: "adapter" (PEFT: adapter_config.json
+                                   #   + adapter_model.safetensors) or "merged" (a full model)
   c.model.arch = ml_collections.ConfigDict(dict(  # only used to build the warm-up model
       hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
       tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=512))

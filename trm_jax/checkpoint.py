@@ -39,6 +39,7 @@ timeout; a failed save is raised by each process that sees it, not always at the
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -160,6 +161,13 @@ def _integrity_record(state) -> dict:
   for path, fp in jax.tree_util.tree_flatten_with_path(prints)[0]:
     leaves[jax.tree_util.keystr(path)]["fingerprint"] = [int(v) for v in _host(fp)]
   return {"format": _FORMAT, "leaves": leaves}
+
+
+def tree_digest(tree) -> str:
+  """sha256 of every leaf's path, shape, dtype and content fingerprint (the integrity
+  record's): the same for the same arrays, whatever their sharding or devices."""
+  leaves = _integrity_record(tree)["leaves"]
+  return hashlib.sha256(json.dumps(leaves, sort_keys=True).encode()).hexdigest()
 
 
 def _check_structure(record: dict, abstract, directory: str, step: int) -> None:

@@ -363,6 +363,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(c.eval_temperature > 0.0, ["eval_temperature"], "must be > 0")
   _require(c.rollout.temperature > 0.0, ["rollout.temperature"], "must be > 0")
   _validate_values(c)
+  _validate_lora(c)
   check_model_fit(c, **_known_model_limits(c))
 
 
@@ -409,6 +410,30 @@ def _validate_values(c: ml_collections.ConfigDict) -> None:
     f = c.warmup.answer_only_frac
     _require(isinstance(f, (int, float)) and 0.0 <= f <= 1.0, ["warmup.answer_only_frac"],
              f"must be in [0, 1], got {f!r}")
+
+
+def _validate_lora(c: ml_collections.ConfigDict) -> None:
+  """The `model.lora` section (models/lora.py; the settings' meaning: docs/lora.md)."""
+  from trm_jax.models.config import BASE_QUANTS, LORA_TARGETS  # pylint: disable=g-import-not-at-top
+  _int_at_least(c, 0, "model.lora.rank")
+  lc = c.model.lora
+  _require(isinstance(lc.alpha, (int, float)) and math.isfinite(lc.alpha) and lc.alpha > 0,
+           ["model.lora.alpha"], f"must be a finite number > 0, got {lc.alpha!r}")
+  targets = tuple(lc.targets) if isinstance(lc.targets, (tuple, list)) else (lc.targets,)
+  _require(bool(targets) and all(t in LORA_TARGETS for t in targets)
+           and len(set(targets)) == len(targets), ["model.lora.targets"],
+           f"{lc.targets!r}: must be distinct names of {', '.join(LORA_TARGETS)}")
+  _require(lc.base_quant in BASE_QUANTS, ["model.lora.base_quant"],
+           f"unknown value {lc.base_quant!r}; expected one of {', '.join(BASE_QUANTS)}")
+  _require(lc.export in ("adapter", "merged"), ["model.lora.export"],
+           f"unknown value {lc.export!r}; expected adapter or merged")
+  if lc.rank == 0:
+    _require(lc.base_quant == "none", ["model.lora.rank", "model.lora.base_quant"],
+             f"base_quant={lc.base_quant!r} quantizes the frozen base under LoRA adapters; "
+             "with rank 0 every weight is trained (set model.lora.rank >= 1)")
+    _require(not lc.path, ["model.lora.rank", "model.lora.path"],
+             f"path={lc.path!r} is a LoRA adapter to start from; with rank 0 there are no "
+             "adapters (set model.lora.rank to the adapter's r)")
 
 
 def synthetic_config(section: ml_collections.ConfigDict):

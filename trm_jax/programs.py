@@ -43,7 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from trm_jax import sharding as shd
 from trm_jax.config import ConfigError
-from trm_jax.models.config import DTYPES
+from trm_jax.models import lora
+from trm_jax.models.config import DTYPES, LoraConfig
 from trm_jax.models.decoder import abstract_model as _abstract_decoder
 from trm_jax.rl import advantages as adv_lib
 from trm_jax.rl import modes, objectives, optim
@@ -133,6 +134,15 @@ def group_advantages(c: ml_collections.ConfigDict):
   size, std normalisation and baseline (rl.advantages.group_advantages)."""
   return functools.partial(adv_lib.group_advantages, group_size=c.rl.group_size,
                            normalize_std=c.rl.normalize_std, baseline=c.rl.baseline)
+
+
+def lora_config(c: ml_collections.ConfigDict) -> Optional[LoraConfig]:
+  """`model.lora` as the model's LoraConfig, or None for rank 0 (full fine-tuning)."""
+  lc = c.model.lora
+  if lc.rank == 0:
+    return None
+  return LoraConfig(rank=lc.rank, alpha=float(lc.alpha), targets=tuple(lc.targets),
+                    base_quant=lc.base_quant)
 
 
 def make_optimizer(c: ml_collections.ConfigDict):
@@ -344,7 +354,7 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
   if r.routing_replay and not model.moe_layers:
     raise ConfigError(f"bad config value [rollout.routing_replay]: routing replay needs MoE "
                       f"layers; this {mcfg.model_type} model has none")
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = lora.split(model)   # params: what is trained (LoRA: adapters)
   params_a, rest_a = abstract(params), abstract(rest)
 
   # --- learner: optimizer, score and update (rl.learner.make_learner) --------------------

@@ -53,6 +53,7 @@ from trm_jax import programs as programs_lib
 from trm_jax import sharding as shd
 from trm_jax.data import math_reward
 from trm_jax.data import summarize as eval_summary
+from trm_jax.models import lora
 from trm_jax.programs import DTYPES, OOM_KNOBS, Programs, narrowed  # noqa: F401 (DTYPES: train)
 from trm_jax.rl import advantages as adv_lib
 from trm_jax.rl import dapo
@@ -70,7 +71,8 @@ class RLContext:
   c: ml_collections.ConfigDict
   mesh: jax.sharding.Mesh
   programs: Programs          # every jitted program of the run (programs.build)
-  rest: Any                   # non-parameter model state (nnx.split(model, nnx.Param, ...))
+  rest: Any                   # the model state not trained (models.lora.split): buffers, and
+                              #   with LoRA the frozen base
   task: Any                   # trm_jax.data.task.Task: prompts, sizes, held-out problems
   tok: Any                    # tokenizer (decodes completions for the reward)
   rng: jax.Array              # the run's base key (a function of config.seed, replicated)
@@ -115,7 +117,8 @@ class TrainState:
   while that step's updates do; it is a pure function of `history[0]` and the step's key, so
   a resumed run samples it again bitwise.
   """
-  params: Any                 # nnx.Param state, sharded by logical axes
+  params: Any                 # trained state (nnx.Param, or the LoRA adapters), sharded by
+                              #   logical axes
   opt_state: Any              # optax state, moments sharded like their parameters
   step: int = 0               # RL steps done
   data_pos: int = 0           # prompts consumed (index into the task's prompt stream)
@@ -139,7 +142,7 @@ def init_learner_state(model: nnx.Module, tx, mesh: jax.sharding.Mesh):
 
   Returns (graphdef, params, rest, opt_state, (param shardings, opt-state shardings)).
   """
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = lora.split(model)
   param_sh = jax.tree.map(lambda x: x.sharding, params)
   opt_sh = shd.opt_state_shardings(tx, params, mesh)
   opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
@@ -162,7 +165,7 @@ def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: n
   `sampler_mesh` the sampler runs there (mesh.rollout_devices).
   """
   progs = programs_lib.build(c, model, mesh, sampler_mesh, task_sizes(c, task))
-  _, params, rest = nnx.split(model, nnx.Param, ...)
+  _, params, rest = lora.split(model)
   opt_state = jax.jit(progs.tx.init, out_shardings=progs.opt_sh)(params)
   # Replicated on the mesh, made under jit: device_put cannot reach other processes' devices.
   rng = jax.jit(lambda: jax.random.key(c.seed),
@@ -172,7 +175,9 @@ def make_context(c: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model: n
     disagg = dict(sampler_mesh=sampler_mesh,
                   sampler_rest=jax.device_put(rest, progs.sampler_rest_sh))
   ctx = RLContext(c=c, mesh=mesh, programs=progs, rest=rest, task=task, tok=tok, rng=rng,
-                  # The reference policy of the optional k3 KL penalty: the start, frozen.
+                  # The reference policy of the optional k3 KL penalty: the start, frozen
+                  # (with LoRA the starting adapters over the one frozen base: the base itself
+                  # for new adapters, whose B is zero; no second copy of the base's weights).
                   ref_params=jax.tree.map(jnp.copy, params) if progs.lcfg.kl_beta > 0 else None,
                   **disagg)
   # Before any update every stale version is the starting policy: one copy serves them all.

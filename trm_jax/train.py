@@ -60,12 +60,14 @@ from flax import nnx
 
 from trm_jax import config as config_lib
 from trm_jax import preemption
+from trm_jax import programs as programs_lib
 from trm_jax.distributed import init_distributed
 from trm_jax import sharding as shd
 from trm_jax import step as step_lib
 from trm_jax import warmup
 from trm_jax import workdir as wd
-from trm_jax.checkpoint import Checkpointer, CheckpointSaveError, CheckpointStructureError
+from trm_jax.checkpoint import (Checkpointer, CheckpointSaveError, CheckpointStructureError,
+                                tree_digest)
 from trm_jax.data import fingerprint
 from trm_jax.data.loaders import DataFileError
 from trm_jax.data.task import Task
@@ -73,7 +75,7 @@ from trm_jax.data.tokenizer import (TokenizerFileError, TokenizerMismatchError,
                                     check_tokenizer_fits, load_tokenizer)
 from trm_jax.metrics import (DEFAULT_SUMMARY_KEYS, MetricsLogger, format_summary, plot_curves,
                              summarize)
-from trm_jax.models import from_pretrained, save_pretrained
+from trm_jax.models import from_pretrained, lora, peft_io, save_pretrained
 from trm_jax.models.hf_io import CheckpointFileError, CheckpointMismatchError
 
 log = logging.getLogger("trm_jax.train")
@@ -171,7 +173,7 @@ class TrainingStalledError(RuntimeError):
 USER_ERRORS = (config_lib.ConfigError, wd.WorkdirError, TrainingStalledError,
                CheckpointSaveError, CheckpointMismatchError, CheckpointFileError,
                TokenizerMismatchError, TokenizerFileError, DataFileError,
-               step_lib.OutOfMemoryError)
+               step_lib.OutOfMemoryError, peft_io.AdapterFileError)
 
 
 def run(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
@@ -218,6 +220,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
   # --- Model, tokenizer, task, learner --------------------------------------------------------
   model = from_pretrained(base, dtype=step_lib.DTYPES[c.model.dtype], remat=c.model.remat,
                           mesh=mesh)
+  model, base_record = add_adapters(c, model, base)
   tok = load_tokenizer(base)
   check_tokenizer_fits(tok, model.config.vocab_size)
   task = Task(c.task, seed=c.seed, tokenizer=tok, eval_problems=c.eval_problems)
@@ -241,7 +244,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
   ckpt = Checkpointer(os.path.join(workdir, "ckpt"), save_every=c.ckpt_every,
                       keep=c.keep_ckpts)
   state, meta = resume(ckpt, state, config_json, workdir, data=task.fingerprint,
-                       allow_config_change=allow_config_change)
+                       allow_config_change=allow_config_change, base=base_record)
   if lead:
     wd.write_json_atomic(os.path.join(workdir, wd.CONFIG_FILE), config_json)
   logger = MetricsLogger(workdir, total_steps=c.total_steps, enable_progress=progress,
@@ -250,7 +253,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
 
   try:
     state, last_eval, loop_s, skips = _loop(c, ctx, state, ckpt, logger, config_json,
-                                            task.fingerprint, stop)
+                                            task.fingerprint, stop, base_record)
   except BaseException:
     # Flush the record (and end the progress bar before the error is printed); let the
     # in-flight checkpoint finish, so the last good one is complete on disk.
@@ -272,8 +275,8 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
     # its steps (and died before writing the summary).
     result["eval"] = last_eval if last_eval is not None else step_lib.evaluate(
         ctx, state.params)
-  # The export needs the full parameters on the lead's host (a collective: all processes).
-  params_host = jax.tree.map(step_lib.host, state.params) if c.export_hf else None
+  # The export needs the exported arrays on the lead's host (a collective: all processes).
+  policy = exported_policy(c, ctx, state) if c.export_hf else None
   if not lead:
     return result
   metrics_path = os.path.join(workdir, "metrics.jsonl")
@@ -283,8 +286,8 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
   result["summary"] = s
   if c.export_hf:
     try:
-      export_hf(nnx.merge(ctx.graphdef, params_host, ctx.rest), base,
-                os.path.join(workdir, "hf"))
+      export_hf(policy, base, os.path.join(workdir, "hf"),
+                adapter=base_record is not None and c.model.lora.export == "adapter")
     except CheckpointFileError as e:
       # The run is whole: its last checkpoint holds step total_steps, and without
       # summary.json the same command resumes there and exports again.
@@ -314,7 +317,7 @@ def eval_line(c: ml_collections.ConfigDict, task: Task, ev: dict) -> str:
 
 def _loop(c: ml_collections.ConfigDict, ctx: step_lib.RLContext, state: step_lib.TrainState,
           ckpt: Checkpointer, logger, config_json: dict, data: dict,
-          stop: preemption.StopOnSignal):
+          stop: preemption.StopOnSignal, base: Optional[dict] = None):
   """Steps to c.total_steps with evaluation, logging, stall detection and checkpoints;
   returns (final state, last held-out evaluation or None, seconds spent in the steps).
 
@@ -325,8 +328,9 @@ def _loop(c: ml_collections.ConfigDict, ctx: step_lib.RLContext, state: step_lib
   def meta(state, record) -> dict:
     # `metrics`: this step's metrics.jsonl line (None if not logged, or not process 0), from
     # which a resume restores that line if a crash tore it.
+    # `base`: with LoRA, the base model the adapters are trained on (`resume` checks it).
     return {"step": state.step, "data_pos": state.data_pos, "config": config_json,
-            "data": data, "metrics": record}
+            "data": data, "metrics": record, **({"base": base} if base else {})}
 
   def eval_due(step: int) -> bool:
     return bool(c.eval_problems) and (
@@ -423,10 +427,11 @@ def _preempted(c: ml_collections.ConfigDict, signum: int, step: int, *, saved: b
 
 
 def resume(ckpt: Checkpointer, state: step_lib.TrainState, config_json: dict, workdir: str,
-           *, data: dict, allow_config_change: bool,
+           *, data: dict, allow_config_change: bool, base: Optional[dict] = None,
            ) -> tuple[step_lib.TrainState, Optional[dict]]:
   """(state, meta): the newest good checkpoint's state and meta, if there is one and its
-  config and data allow continuing (see `workdir.config_changes`, `data.fingerprint`); else
+  config and data allow continuing (see `workdir.config_changes`, `data.fingerprint`) and,
+  with LoRA, `base` is the base model its adapters were trained on (`add_adapters`); else
   (`state` unchanged, None)."""
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           checkpointed(state))
@@ -476,6 +481,7 @@ def resume(ckpt: Checkpointer, state: step_lib.TrainState, config_json: dict, wo
       log.warning("--allow_config_change: continuing from step %d with %s (the earlier config "
                   "is kept in %s)", step, wd.describe(changes), kept)
   _check_data(meta.get("data"), data, workdir, step, allow_config_change=allow_config_change)
+  _check_base(meta.get("base"), base, workdir, step)
   log.info("resumed from step %d (data position %d)", step, meta["data_pos"])
   return step_lib.TrainState(params=arrays["params"], opt_state=arrays["opt_state"], step=step,
                              data_pos=int(meta["data_pos"]),
@@ -503,6 +509,53 @@ def _check_data(old: Optional[dict], new: dict, workdir: str, step: int, *,
               fingerprint.describe(diff))
 
 
+def add_adapters(c: ml_collections.ConfigDict, model: nnx.Module, base: str):
+  """(model, base record): with model.lora.rank > 0 the loaded base `model` with LoRA
+  adapters (new ones, or model.lora.path's PEFT adapter) over its frozen, maybe quantized,
+  weights, and the record of that base a checkpoint keeps (`resume` refuses another); else
+  (model, None)."""
+  lcfg = programs_lib.lora_config(c)
+  if lcfg is None:
+    return model, None
+  # A digest of the weights as loaded (not of the files): a base re-saved with the same
+  # weights is the same base; one with any other weight is not.
+  record = {"key": "model.path" if c.model.path else "warmup.cache_dir",
+            "path": os.path.abspath(base), "digest": tree_digest(nnx.state(model, nnx.Param))}
+  try:
+    model = lora.with_adapters(model, lcfg, seed=c.seed)
+    if c.export_hf and c.model.lora.export == "adapter":   # refused now, not after training
+      peft_io.check_exportable(model.config)
+  except ValueError as e:   # a target no weight of this model has, or peft could not load
+    raise config_lib.ConfigError(f"bad config value [model.lora.targets]: {e}") from None
+  if c.model.lora.path:
+    peft_io.load_adapter(model, os.path.expanduser(c.model.lora.path))
+  return model, record
+
+
+def _check_base(old: Optional[dict], new: Optional[dict], workdir: str, step: int) -> None:
+  """A LoRA checkpoint holds the adapters only: they continue on the base they were trained
+  on, or not at all (whatever --allow_config_change says)."""
+  if old is None or new is None or old["digest"] == new["digest"]:
+    return
+  raise wd.WorkdirError(
+      f"{new['key']}={new['path']} holds another base model than the one the adapters of "
+      f"checkpoint step {step} in {workdir} were trained on ({old['path']}; weights digest "
+      f"{old['digest'][:12]} -> {new['digest'][:12]}). Adapters belong to their base: point "
+      f"{new['key']} at that base, or use another --workdir")
+
+
+def exported_policy(c: ml_collections.ConfigDict, ctx: step_lib.RLContext,
+                    state: step_lib.TrainState) -> nnx.Module:
+  """The policy as the HF export writes it (with LoRA: the adapters, or the merged model per
+  model.lora.export), the arrays it writes gathered to this host. A collective: every process
+  calls it."""
+  policy = nnx.merge(ctx.graphdef, state.params, ctx.rest)
+  if c.model.lora.rank and c.model.lora.export == "merged":
+    policy = lora.merged(policy)
+  graphdef, written, rest = lora.split(policy)
+  return nnx.merge(graphdef, jax.tree.map(step_lib.host, written), rest)
+
+
 def checkpointed(state: step_lib.TrainState) -> dict:
   """The arrays a checkpoint holds: parameters, optimizer state and, with rl.staleness = k,
   the k parameter versions the next rollouts are sampled with (the in-flight pipeline; the
@@ -523,9 +576,10 @@ def _stall_message(c: ml_collections.ConfigDict, step: int, run: list) -> str:
           "thresholds; the last good checkpoint is kept")
 
 
-def export_hf(model: nnx.Module, base: str, out: str) -> None:
-  """The policy as an HF checkpoint in `out`, with the base model's tokenizer files."""
-  save_pretrained(model, out)
+def export_hf(model: nnx.Module, base: str, out: str, *, adapter: bool = False) -> None:
+  """The policy as an HF checkpoint in `out` (with `adapter`, its LoRA adapters as a PEFT
+  adapter for the base `base`), with the base model's tokenizer files."""
+  save_pretrained(model, out, adapter=adapter, base=base)
   for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
             "special_tokens_map.json", "chat_template.jinja"):
     if os.path.exists(os.path.join(base, f)):

@@ -24,7 +24,7 @@ from trm_jax.aot import hlo_cost
 from trm_jax.aot import tpu as tpu_aot
 from trm_jax.config import FILE_TASKS, ConfigError
 from trm_jax.kernels.attention import resolve_impl
-from trm_jax.models import Decoder, ModelConfig
+from trm_jax.models import Decoder, ModelConfig, lora
 from trm_jax.programs import device_bytes
 
 GiB = 2**30
@@ -173,6 +173,12 @@ def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence,
                                remat=c.model.remat)
   except ValueError as e:   # an unsupported or incomplete config.json: the user's input
     raise ConfigError(f"the model's config.json: {e}") from e
+  mcfg = mcfg.replace(lora=programs_lib.lora_config(c))   # the trainer's add_adapters
+  if mcfg.lora is not None:
+    try:
+      lora.check_targets(mcfg)
+    except ValueError as e:
+      raise ConfigError(f"bad config value [model.lora.targets]: {e}") from None
   model = programs_lib.abstract_model(Decoder, mcfg, mesh)
   progs = programs_lib.build(c, model, mesh, None if sampler_mesh is mesh else sampler_mesh,
                              programs_lib.Sizes(P=P, R=R, eval_problems=c.eval_problems))
