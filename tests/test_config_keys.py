@@ -13,6 +13,7 @@ from ml_collections import ConfigDict
 
 from trm_jax import config as config_lib
 from trm_jax import programs, train
+from trm_jax.models import from_pretrained
 from trm_jax.rl.modes import MODES
 from trm_jax.rl.objectives import OBJECTIVES
 from trm_jax.rollout.policies import POLICIES
@@ -101,6 +102,9 @@ def test_every_config_key_is_read(tmp_path, monkeypatch, shared_run):
   for policy in POLICIES:
     c.rollout.cache.policy = policy
     programs.cache_config(c)
+  # LoRA's settings, read when adapters are on (model.lora.rank > 0).
+  c.model.lora.rank = 8
+  train.add_adapters(c, from_pretrained(str(shared_run.base_dir)), str(shared_run.base_dir))
 
   unread = sorted(keys - reads.read)
   assert not unread, f"config keys no code reads: {unread}"

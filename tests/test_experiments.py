@@ -139,6 +139,21 @@ def test_staleness_end_to_end(tmp_path, shared_run):
   assert "## What these runs show" in summary
 
 
+def test_lora_end_to_end(tmp_path, shared_run):
+  """Both arms on the shared base, side by side: the LoRA arm trains adapters only at its
+  own learning rate, and the summary's step-time ratio is the runs' own."""
+  _run("lora", tmp_path, shared_run, "--parallel", "2", shared_base=True)
+  rows = _results(tmp_path)
+  assert set(rows) == {"arm=full,seed=0", "arm=lora,seed=0"}
+  assert rows["arm=lora,seed=0"]["model.lora.rank"] == "8"
+  assert rows["arm=lora,seed=0"]["optim.lr"] == "0.0003"
+  step_s = {arm: _step_records(tmp_path, f"arm={arm},seed=0")[-1]["time/step_s"]
+            for arm in ("full", "lora")}
+  summary = (tmp_path / "out" / "summary.md").read_text()
+  assert f"side by side: {step_s['lora'] / step_s['full']:.3f}" in summary
+  assert "## What these runs show" in summary and "LoRA learns the task" in summary
+
+
 # The long-horizon config on the session's shared base: its task set back to the base's.
 LONG_ON_SHARED_BASE = ["task.synthetic.min_operands=2", "task.synthetic.min_value=1",
                        "task.synthetic.distinct=False"]

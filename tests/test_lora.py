@@ -299,7 +299,8 @@ def _train_args(shared, workdir, base, *overrides):
   return [sys.executable, "-m", "trm_jax.train", "--config", "configs/tiny_trm.py",
           "--workdir", workdir, f"--config.total_steps={STEPS}", "--config.ckpt_every=2",
           "--config.rl.batch_size=16", "--config.rl.group_size=4", "--config.eval_problems=0",
-          "--config.model.lora.rank=8", f"--config.model.path={base}", *shared.cli_args(),
+          "--config.model.lora.rank=8", "--config.rl.kl_beta=0.01",  # reference: adapters
+          f"--config.model.path={base}", *shared.cli_args(),
           *overrides]
 
 

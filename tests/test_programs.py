@@ -5,8 +5,10 @@ every `Program` call recorded: the programs the trainer calls are exactly the on
 `trm_jax.aot` builds for the same config, and every call's inputs have the shapes, dtypes and
 shardings of the abstract inputs AOT compiles (so AOT compiles the trainer's program, not a
 look-alike). Colocated with the evaluation's dense and compressed programs and two
-minibatches (separate score and update programs), and a sampler on its own devices with stale
-parameters and one update per batch (the learner's one `score_update` program).
+minibatches (separate score and update programs), a sampler on its own devices with stale
+parameters and one update per batch (the learner's one `score_update` program), and LoRA
+adapters over an nf4 base with a stale copy (params are the adapters, the base rides in the
+model's other state).
 """
 import jax
 import jax.numpy as jnp
@@ -25,10 +27,19 @@ pytestmark = pytest.mark.slow
 
 
 def _signature(tree):
-  """(path, shape, dtype, partition spec) of every array leaf, None leaves kept out."""
+  """(path, shape, dtype, partition spec) of every array leaf, None leaves kept out. Mesh axes
+  of one device are dropped from the spec: P() and P(None, 'tensor') on a mesh whose tensor
+  axis is one device are one placement, and XLA's propagation (a jitted cast's output, e.g.
+  step.narrow's) may return either."""
+  def keep(mesh, entry):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    names = tuple(n for n in names if mesh.shape[n] > 1)
+    return None if not names else names[0] if len(names) == 1 else names
+
   def one(path, x):
     sh = getattr(x, "sharding", None)
-    spec = tuple(sh.spec) if isinstance(sh, jax.sharding.NamedSharding) else None
+    spec = (tuple(keep(sh.mesh, e) for e in sh.spec)
+            if isinstance(sh, jax.sharding.NamedSharding) else None)
     return (jax.tree_util.keystr(path), tuple(x.shape), str(x.dtype), spec)
   return [one(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
 
@@ -45,7 +56,8 @@ def _spec(sig):
   return out
 
 
-@pytest.mark.parametrize("variant", ["colocated_smd_eval", "disaggregated_stale"])
+@pytest.mark.parametrize("variant", ["colocated_smd_eval", "disaggregated_stale",
+                                     "lora_nf4_stale"])
 def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch, variant):
   c = shared_run.config()
   # Batches that divide the learner's devices (8, or 6 beside a 2-device sampler) per
@@ -56,10 +68,13 @@ def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch
   c.rl.num_minibatches, c.eval_problems, c.eval_samples = 2, 4, 1
   if variant == "colocated_smd_eval":
     c.rollout.cache.policy, c.rollout.cache.ratio, c.smd.mode = "h2o", 0.5, "smd"
-  else:
+  elif variant == "disaggregated_stale":
     c.mesh.rollout_devices, c.rl.staleness, c.rollout.dtype = 2, 1, "bfloat16"
     # One update per batch: the step's learner is the one "score_update" program.
     c.eval_problems, c.rl.batch_size, c.rl.num_minibatches = 0, 24, 1
+  else:   # adapters over an nf4 base: params and the stale copy are adapters
+    c.model.lora.rank, c.model.lora.base_quant = 8, "nf4"
+    c.rl.staleness, c.rollout.dtype, c.eval_problems = 1, "bfloat16", 0
   calls = []
   real_call = programs_lib.Program.__call__
 
@@ -71,6 +86,7 @@ def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch
   mesh, sampler_mesh = train.make_mesh(c)
   with jax.set_mesh(mesh):
     model = from_pretrained(str(shared_run.base_dir), dtype=jnp.float32, mesh=mesh)
+    model, _ = train.add_adapters(c, model, str(shared_run.base_dir))
     tok = load_tokenizer(str(shared_run.base_dir))
     task = Task(c.task, seed=c.seed, tokenizer=tok, eval_problems=c.eval_problems)
     ctx, state = step_lib.make_context(c, mesh, model, tok, task, sampler_mesh)
