@@ -276,12 +276,13 @@ def merged(model: nnx.Module) -> nnx.Module:
       return src.get_value()
     codes = (src.qvalue[...], src.scale[...]) if isinstance(src, Quantized) else (src[...], None)
     ab = (adapter.a[...], adapter.b[...]) if adapter is not None else (None, None)
-    fn = functools.partial(_merge, base_quant=lcfg.base_quant, scale=lcfg.scale, dtype=dtype)
+    fn = functools.partial(merge_weight, base_quant=lcfg.base_quant, scale=lcfg.scale,
+                           dtype=dtype)
     return jax.jit(fn, out_shardings=place(shd.param_axes(var), var.shape))(*codes, *ab)
   return _rebuilt(model, model.config.replace(lora=None), fill)
 
 
-def _merge(w, w_scale, a, b, *, base_quant: str, scale: float, dtype):
+def merge_weight(w, w_scale, a, b, *, base_quant: str, scale: float, dtype) -> jax.Array:
   """W (dequantized when w_scale is given) + scale * A B, in float32, cast to dtype."""
   w = w if w_scale is None else dequantize(w, w_scale, base_quant)
   w = w.astype(jnp.float32)
