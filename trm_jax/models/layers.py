@@ -2,7 +2,10 @@
 
 Every parameter is an `nnx.Param` carrying `logical_axes` (see `trm_jax.sharding`), stored in
 `config.param_dtype` and cast to `config.dtype` at use. Weight layouts are the einsum-friendly
-ones (`DNH`, `NHD`, `EDF`), not torch's `[out, in]`; `hf_io.py` converts.
+ones (`DNH`, `NHD`, `EDF`), not torch's `[out, in]`; `hf_io.py` converts. With
+`config.lora` a projection weight carries a low-rank adapter `<name>_lora` and may be stored
+quantized (`lora.py`): the projections go through `linear` / `adapted`, which add the adapter
+and read the weight as `w[...]`.
 
 Numerics follow transformers where it matters for parity: RMSNorm reduces in fp32, casts the
 normalised activations to the compute dtype, then multiplies by the weight; attention logits and
