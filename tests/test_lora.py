@@ -107,7 +107,12 @@ def test_quantized_base_is_frozen_codes_and_merges_to_its_dequantized_self(base_
 
 def test_quantization_error_is_bounded_per_block():
   """int8: half a step of absmax / 127.5 per output channel; nf4: half the widest gap of the
-  NF4 codebook (between its levels -1 and -0.6962) times each block of 64 inputs' absmax."""
+  NF4 codebook (between its levels -1 and -0.6962) times each block of 64 inputs' absmax.
+  The dequantization is qwix's, bitwise, and the codebook qwix's."""
+  import qwix  # pylint: disable=g-import-not-at-top
+  codes = jnp.arange(16, dtype=jnp.int32).astype(jnp.uint4)[:, None]
+  np.testing.assert_array_equal(lora.NF4_LEVELS, np.asarray(qwix.dequantize(qwix.QArray(
+      codes, jnp.ones((1, 1), jnp.float32), None, "nf4")))[:, 0])   # qwix's codebook
   w = jnp.asarray(np.random.default_rng(0).standard_normal((128, 4, 16)), jnp.float32)
   for base_quant, bound in (("int8", 0.5 / 127.5 + 1e-6), ("nf4", 0.5 * (1 - 0.6961928) + 1e-6)):
     q = lora.Quantized(w, (shd.EMBED, shd.Q_HEADS, shd.HEAD_DIM), 1, base_quant)
@@ -116,6 +121,8 @@ def test_quantization_error_is_bounded_per_block():
     err = np.abs(np.asarray(q[...]) - np.asarray(w)).reshape(blocks.shape) / absmax
     assert err.max() <= bound, (base_quant, err.max())
     assert q.scale.shape == ((2, 4, 16) if base_quant == "nf4" else (1, 4, 16))
+    np.testing.assert_array_equal(np.asarray(q[...]), np.asarray(qwix.dequantize(qwix.QArray(
+        q.qvalue[...], q.scale[...], None, lora.QTYPES[base_quant]))))   # qwix's, bitwise
 
 
 # --- PEFT ------------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ are the adapters, so gradients, AdamW's moments, checkpoints, staleness copies a
 reference hold only them, and the frozen base rides in `rest` (never differentiated, never
 donated).
 
-Frozen base storage (`LoraConfig.base_quant`, quantization by qwix: `qwix.quantize`,
-`qwix.dequantize`, its QArray and NF4 codebook): "none" keeps each weight in the parameter
+Frozen base storage (`LoraConfig.base_quant`, quantization by qwix: `qwix.quantize`, its
+QArray layout and NF4 codebook; `dequantize` is qwix's arithmetic): "none" keeps each weight in the parameter
 dtype; "int8" stores int8 codes with one absmax scale per output channel (over its inputs);
 "nf4" stores 4-bit NormalFloat codes (QLoRA, Dettmers et al. 2023) with one absmax scale per
 block of 64 inputs of an output channel, bitsandbytes' block, without its double quantization
@@ -147,9 +147,32 @@ def quantize(w: jax.Array, *, n_in: int, base_quant: str) -> Tuple[jax.Array, ja
 
 
 def dequantize(qvalue: jax.Array, scale: jax.Array, base_quant: str) -> jax.Array:
-  """The weight in the scales' dtype."""
-  import qwix  # pylint: disable=g-import-not-at-top  (see QTYPES)
-  return qwix.dequantize(qwix.QArray(qvalue, scale, None, QTYPES[base_quant]))
+  """The weight in the scales' dtype: `qwix.dequantize`'s arithmetic (code -> level, times
+  its block's scale; bitwise the same, tests/test_lora.py), with NF4's code -> level lookup a
+  `take` from the 16 levels instead of qwix's vmapped gather, which XLA:TPU compiles to far
+  more memory traffic (tiny_trm's rollout with an nf4 base, compiled for v5e-8: 79 GB
+  accessed with qwix's lookup, 17 GB with `take`). int8 codes dequantize inside the matmul
+  that reads them; an NF4 lookup does not fuse there, so each use writes the weight out in
+  the compute dtype first (docs/lora.md)."""
+  values = qvalue
+  if base_quant == "nf4":
+    values = jnp.take(jnp.asarray(NF4_LEVELS), qvalue.astype(jnp.int32))
+  values = values.astype(scale.dtype)
+  for axis, (n, s) in enumerate(zip(values.shape, scale.shape)):
+    if n != s:                                   # a blocked axis: one scale per n // s values
+      scale = jnp.repeat(scale, n // s, axis=axis)
+  return values * scale
+
+
+# The 16 NF4 levels (QLoRA, Dettmers et al. 2023, appendix E), code order: qwix's codebook,
+# which its quantization assigns codes by (tests/test_lora.py checks they are equal). Written
+# out because qwix builds it with jnp inside its functions, which cannot run eagerly under an
+# AOT compile's mesh of devices that do not exist.
+NF4_LEVELS = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                       -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                       0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+                       0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                       0.7229568362236023, 1.0], np.float32)
 
 
 # ------------------------------------------------------------------------------------------
