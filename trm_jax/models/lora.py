@@ -67,9 +67,9 @@ PROJECTIONS = {
     "o": ("attn", "o_proj", 2),
     "gate": ("mlp", "gate_proj", 1), "up": ("mlp", "up_proj", 1), "down": ("mlp", "down_proj", 1),
 }
-QTYPES = {"int8": jnp.int8, "nf4": "nf4"}   # base_quant -> qwix's qtype
-# qwix is imported where a base is quantized: it loads flax.linen (~0.4 s), which a model
-# without a quantized base never needs.
+# base_quant -> qwix's qtype. qwix itself is imported where a base is quantized: it loads
+# flax.linen (~0.4 s), which a model without a quantized base never needs.
+QTYPES = {"int8": jnp.int8, "nf4": "nf4"}
 NF4_BLOCK = 64                              # inputs per nf4 scale (QLoRA's block size)
 
 
