@@ -9,8 +9,9 @@
     replay stay exact with adapters on (and the adapters change the policy: not vacuous);
   * adapters shard by the model's logical-axis rules;
   * the tiny trainer with `model.lora.rank=8` checkpoints only the adapters and their
-    optimizer state, resumes bitwise after a preemption, exports a PEFT adapter equal to the
-    checkpoint's, and refuses to resume on a changed base, naming model.path.
+    optimizer state, resumes bitwise after a preemption, exports a PEFT adapter that peft
+    loads with the JAX logits and that a new run starts from (`model.lora.path`), and refuses
+    to resume on a changed base, naming model.path.
 """
 import json
 import os
@@ -354,14 +355,16 @@ def test_lora_trainer_checkpoints_adapters_resumes_bitwise_and_exports_peft(tmp_
   assert load_file(os.path.join(workdir, "hf", "adapter_model.safetensors")).keys() == \
       load_file(os.path.join(exported, "adapter_model.safetensors")).keys()
 
-  # The export: peft on the transformers base gives the JAX policy's logits; imported back,
-  # it is the checkpoint's adapters.
+  # The export: peft on the transformers base gives the JAX policy's logits; a run started
+  # from it (model.lora.path) starts from the checkpoint's adapters.
   policy = lora.with_adapters(from_pretrained(base), LoraConfig(rank=8))
   for path, v in nnx.to_flat_state(nnx.state(policy, nnx.LoRAParam)):
     key = "['params']" + "".join(f"['{p}']" for p in path) + "['value']"
     v.set_value(jnp.asarray(state[key]))
-  imported = peft_io.load_adapter(lora.with_adapters(from_pretrained(base), LoraConfig(rank=8),
-                                                     seed=5), exported)
+  from trm_jax import train  # pylint: disable=g-import-not-at-top
+  c = shared_run.config()
+  c.model.path, c.model.lora.rank, c.model.lora.path = base, 8, exported
+  imported, _ = train.add_adapters(c, from_pretrained(base), base)
   for p, x in _adapters(policy).items():
     np.testing.assert_array_equal(_adapters(imported)[p], x, err_msg=str(p))
   tokens, mask = sample_batch(B=2, T=10, vocab=policy.config.vocab_size)
