@@ -6,9 +6,10 @@ every `Program` call recorded: the programs the trainer calls are exactly the on
 shardings of the abstract inputs AOT compiles (so AOT compiles the trainer's program, not a
 look-alike). Colocated with the evaluation's dense and compressed programs and two
 minibatches (separate score and update programs), a sampler on its own devices with stale
-parameters and one update per batch (the learner's one `score_update` program), and LoRA
-adapters over an nf4 base with a stale copy (params are the adapters, the base rides in the
-model's other state).
+parameters and one update per batch (the learner's one `score_update` program), and the
+latter with LoRA adapters over an nf4 base and two minibatches (params, the stale copy and
+what each rollout sends are the adapters; the base rides in the model's other state, on the
+sampler's devices once).
 """
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,7 @@ def _spec(sig):
 
 
 @pytest.mark.parametrize("variant", ["colocated_smd_eval", "disaggregated_stale",
-                                     "lora_nf4_stale"])
+                                     "lora_nf4_disaggregated_stale"])
 def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch, variant):
   c = shared_run.config()
   # Batches that divide the learner's devices (8, or 6 beside a 2-device sampler) per
@@ -72,9 +73,10 @@ def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch
     c.mesh.rollout_devices, c.rl.staleness, c.rollout.dtype = 2, 1, "bfloat16"
     # One update per batch: the step's learner is the one "score_update" program.
     c.eval_problems, c.rl.batch_size, c.rl.num_minibatches = 0, 24, 1
-  else:   # adapters over an nf4 base: params and the stale copy are adapters
+  else:   # adapters over an nf4 base: the copies sent to the sampler are the adapters
     c.model.lora.rank, c.model.lora.base_quant = 8, "nf4"
-    c.rl.staleness, c.rollout.dtype, c.eval_problems = 1, "bfloat16", 0
+    c.mesh.rollout_devices, c.rl.staleness, c.rollout.dtype = 2, 1, "bfloat16"
+    c.eval_problems, c.rl.batch_size = 0, 24
   calls = []
   real_call = programs_lib.Program.__call__
 
