@@ -50,7 +50,8 @@ def _modules(cfg) -> Dict[Tuple, str]:
   """(our adapter's path) -> the transformers module of the weight it adapts, for every
   adapter of `cfg.lora` (an adapter's path is its weight's with `_lora` appended)."""
   hf_names = {e.path: e.names[0] for e in hf_io._entries(cfg)}   # pylint: disable=protected-access
-  return {("layers", l, block, f"{name}_lora"): hf_names[("layers", l, block, name)][:-7]
+  return {("layers", l, block, f"{name}_lora"):
+          hf_names[("layers", l, block, name)].removesuffix(".weight")
           for l, target, block, name, _ in lora.projections(cfg) if target in cfg.lora.targets}
 
 
