@@ -230,7 +230,8 @@ def _placement(model: nnx.Module):
 def _rebuilt(model: nnx.Module, cfg, fill) -> nnx.Module:
   """`type(model)(cfg)` built abstractly, each variable's value `fill(path, var, place)`
   (`place` as `_placement`'s, on the model's devices)."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0))))
+  from trm_jax.models.decoder import abstract_model  # pylint: disable=g-import-not-at-top  (imports lora)
+  graphdef, state = nnx.split(abstract_model(type(model), cfg))
   flat = nnx.to_flat_state(state)
   place = _placement(model)
   for path, var in flat:

@@ -24,7 +24,6 @@ difference fails with one line naming the file, the field and the setting it con
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, Optional, Tuple
 
@@ -34,6 +33,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from trm_jax import workdir as wd
 from trm_jax.models import hf_io, lora
 
 CONFIG_FILE = "adapter_config.json"
@@ -79,7 +79,6 @@ def save_adapter(model: nnx.Module, path: str, *, base: Optional[str] = None) ->
     raise ValueError("save_adapter: the model carries no LoRA adapters")
   check_exportable(cfg)
   path = os.fspath(path)
-  os.makedirs(path, exist_ok=True)
   tensors = {}
   for adapter_path, module in _modules(cfg).items():
     adapter = lora.at_path(model, adapter_path)
@@ -98,13 +97,20 @@ def save_adapter(model: nnx.Module, path: str, *, base: Optional[str] = None) ->
       "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
       "target_parameters": None,
   }
-  # Written under temporary names and renamed: a reader never sees half an adapter.
+  # Written under a temporary name and renamed (the config atomically too): a reader never
+  # sees half an adapter, and a write that fails (a full disk) is one line naming `path`
+  # (hf_io.save_pretrained's error) and leaves no temporary file.
   tmp = os.path.join(path, WEIGHTS_FILE + ".tmp")
-  save_file(tensors, tmp, metadata={"format": "pt"})
-  os.replace(tmp, os.path.join(path, WEIGHTS_FILE))
-  with open(os.path.join(path, CONFIG_FILE + ".tmp"), "w") as f:
-    json.dump(config, f, indent=2)
-  os.replace(os.path.join(path, CONFIG_FILE + ".tmp"), os.path.join(path, CONFIG_FILE))
+  try:
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(path, WEIGHTS_FILE))
+    wd.write_json_atomic(os.path.join(path, CONFIG_FILE), config)
+  except (OSError, SafetensorError) as e:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    cause = e.strerror if isinstance(e, OSError) and e.strerror else str(e).rsplit(": ", 1)[-1]
+    raise hf_io.CheckpointFileError(f"{path}: cannot write the adapter ({cause})") from e
   return path
 
 
