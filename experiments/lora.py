@@ -11,11 +11,13 @@ noise, 64 rollouts per step, held-out avg@4 on 64 problems at step 0 and every 5
          alpha 32), the base frozen, lr --lora-lr (3e-4: ten times full fine-tuning's, the
          ratio Schulman et al. 2025, "LoRA Without Regret", found best across model sizes)
 
-fixed before running. Each seed warms up its own base (its warm-up stream is seed + 1, as the
-main job's seeds are), shared by its two arms, which run side by side (`--parallel 2`), so
-their step times are measured under the same load. The frozen control of a seed is its
-step-0 evaluation: evaluation samples fixed problems with a fixed key, so an untrained policy
-scores the same at every evaluation (docs/results.md, the main job).
+fixed before running. Every run starts from the main job's base (the warm-up depends on the
+warmup settings alone, so the seeds share it; it is built once under --workdir); a seed
+chooses the RL prompts, the held-out problems and the adapters' initial A. A seed's two arms
+run side by side (`--parallel 2`), so their step times are measured under the same load. The
+frozen control of a seed is its step-0 evaluation: evaluation samples fixed problems with a
+fixed key, so an untrained policy scores the same at every evaluation (docs/results.md, the
+main job).
 
 Per run: held-out avg@4 and greedy accuracy at step 0 and the end, reward over the first and
 last 10 % of steps, and the mean RL step time (time/step_s, the first step, which compiles,
@@ -48,13 +50,12 @@ def build_cells(args, seeds) -> tuple[list[sweep.Cell], dict]:
   """(cells, arm -> its cells): per seed the two arms next to each other, so that
   `--parallel 2` runs them side by side."""
   fixed = report.fixed_overrides(args, eval_every=50 if args.steps >= 50 else args.steps)
+  fixed.setdefault("warmup.cache_dir", os.path.join(args.workdir, "base"))
   arms = {"full": {}, "lora": {"model.lora.rank": args.rank, "optim.lr": args.lora_lr}}
   groups = {arm: [] for arm in ARMS}
   for s in seeds:
-    base = {} if "warmup.cache_dir" in fixed else {
-        "warmup.cache_dir": os.path.join(args.workdir, f"base_seed{s}")}
     for arm in ARMS:
-      groups[arm] += sweep.product([("", {**fixed, **base})], [(f"arm={arm}", arms[arm])],
+      groups[arm] += sweep.product([("", fixed)], [(f"arm={arm}", arms[arm])],
                                    sweep.axis("seed", [s]))
   return [c for pair in zip(*groups.values()) for c in pair], groups
 
