@@ -79,9 +79,10 @@ def _models(cfg: ModelConfig):
   return plain, adapted
 
 
-def _merge_program(adapted):
-  """One jitted merge of every adapted weight: {path: W + (alpha / r) A B} (lora.merge_weight,
-  what lora.merged computes per weight)."""
+def _merge_program(adapted, dtype=None, out_shardings=None):
+  """(one jitted merge of every adapted weight: {path: W + (alpha / r) A B in `dtype`
+  (default: the weight's)}, its input {path: (W, A, B)}); lora.merge_weight, what
+  lora.merged computes per weight."""
   lcfg = adapted.config.lora
   triples = {}
   for l, target, block, name, _ in lora.projections(adapted.config):
@@ -90,8 +91,8 @@ def _merge_program(adapted):
     triples[(l, block, name)] = (getattr(module, name).get_value(), adapter.a.get_value(),
                                  adapter.b.get_value())
   fn = jax.jit(lambda t: {k: lora.merge_weight(w, None, a, b, base_quant="none",
-                                                scale=lcfg.scale, dtype=w.dtype)
-                          for k, (w, a, b) in t.items()})
+                                                scale=lcfg.scale, dtype=dtype or w.dtype)
+                          for k, (w, a, b) in t.items()}, out_shardings=out_shardings)
   return fn, triples
 
 
@@ -171,11 +172,53 @@ def update(shape: dict, repeats: int) -> dict:
   return out
 
 
+def merge_roofline(topology: str, config: str = "qwen3_8b_dapo_trm", rank: int = 64) -> dict:
+  """What merging costs per update at a paper config's shapes: the merge program (every
+  adapted weight W + (alpha / r) A B, in the sampler's dtype, placed as the weight) compiled
+  for `topology` over the abstract model the trainer would build (`aot.compiler.build`'s
+  model and mesh), its per-device bytes and roofline (`hlo_cost`), and the second copy of
+  the weights it leaves on the sampler's devices. The rollout programs themselves come from
+  `python -m trm_jax.aot` of the config with and without adapters (docs/lora.md)."""
+  from trm_jax.aot import gpu as gpu_aot, hlo_cost, tpu as tpu_aot  # pylint: disable=g-import-not-at-top
+  c = config_lib.load_config(config)
+  c.model.lora.rank = rank
+  hf, _ = aot.resolve_model(c, config_path=config)
+  gpu = aot.platform_of(topology) == "gpu"
+  devices = (gpu_aot.topology_devices if gpu else tpu_aot.topology_devices)(topology)
+  chip = gpu_aot.gpu_spec(topology) if gpu else tpu_aot.chip_spec(topology)
+  per_chip = 1 if gpu else max(1, len(devices) // tpu_aot.topology_chips(topology))
+  mesh, _ = aot.meshes(c, devices)
+  mcfg = ModelConfig.from_hf(hf, dtype=programs.DTYPES[c.model.dtype]).replace(
+      lora=programs.lora_config(c))
+  model = programs.abstract_model(Decoder, mcfg, mesh)
+  to = programs.DTYPES[c.rollout.dtype]
+  _, triples = _merge_program(model)
+  fn, _ = _merge_program(model, to, {k: w.sharding for k, (w, _, _) in triples.items()})
+  with jax.set_mesh(mesh):
+    compiled = fn.lower(triples).compile()
+  cost = hlo_cost.program_cost(compiled)
+  bw = chip.hbm_bytes_per_s / per_chip
+  merged_bytes = programs.device_bytes({k: jax.ShapeDtypeStruct(w.shape, to, sharding=w.sharding)
+                                        for k, (w, _, _) in triples.items()})
+  out = dict(topology=topology, config=config, rank=rank, devices=len(devices),
+             mesh=dict(mesh.shape), bytes_accessed_per_device=cost["bytes_accessed"],
+             flops_per_device=cost["flops"],
+             roofline_s=max(cost["bytes_accessed"] / bw,
+                            cost["flops"] / (chip.peak_bf16_flops / per_chip)),
+             merged_copy_bytes_per_device=merged_bytes)
+  print(f"merge {topology}: {out['roofline_s']:.4f} s, a merged copy of "
+        f"{merged_bytes / 2**30:.2f} GiB per device", flush=True)
+  return out
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--quick", action="store_true", help="the main job's shape only, 3 rounds")
   p.add_argument("--out", default="bench/results/lora.json")
+  p.add_argument("--merge_topology", action="append", default=[],
+                 help="also compile the 8B config's merge program for this TPU slice or GPU "
+                      "node (e.g. v5e:2x4, h200:1); repeatable")
   args = p.parse_args(argv)
   repeats = 3 if args.quick else args.repeats
   shapes = [main_job_shape()] + ([] if args.quick else [bench_shape()])
@@ -186,7 +229,8 @@ def main(argv=None):
                 "fine-tuning (bench/lora.py)", commit=commit, machine=hygiene.machine(),
                 start=quiet, jax_version=jax.__version__,
                 sampler=[sampler(s, repeats) for s in shapes],
-                update=[update(s, repeats) for s in shapes])
+                update=[update(s, repeats) for s in shapes],
+                merge_aot=[merge_roofline(t) for t in args.merge_topology])
   hygiene.write_json(result, args.out)
 
 
