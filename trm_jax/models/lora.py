@@ -103,9 +103,11 @@ class Adapter(nnx.Module):
 
   def __call__(self, x: jax.Array, dtype, *, inference: bool = False) -> jax.Array:
     """x [..., *in] -> [..., *out] in `dtype`; inference as `layers.project`."""
-    ins, outs = "abcd"[:self.n_in], "wxyz"[:self.b.ndim - 1]
-    h = layers.project(f"...{ins},{ins}r->...r", x, self.a[...], dtype, inference=inference)
-    d = layers.project(f"...r,r{outs}->...{outs}", h, self.b[...], dtype, inference=inference)
+    # Leading dimensions named, not "...": layers.project folds them into one row dimension.
+    lead, ins, outs = "ijkl"[:x.ndim - self.n_in], "abcd"[:self.n_in], "wxyz"[:self.b.ndim - 1]
+    h = layers.project(f"{lead}{ins},{ins}r->{lead}r", x, self.a[...], dtype, inference=inference)
+    d = layers.project(f"{lead}r,r{outs}->{lead}{outs}", h, self.b[...], dtype,
+                       inference=inference)
     return d * self.scale
 
 
