@@ -379,3 +379,21 @@ def test_lora_trainer_checkpoints_adapters_resumes_bitwise_and_exports_peft(tmp_
   save_file(tensors, weights, metadata={"format": "pt"})
   err = _train(shared_run, reference, base, code=1)
   assert f"model.path={base} holds another base model than the one the adapters" in err
+
+
+@pytest.mark.parametrize("base_quant", ["none", "nf4"])
+def test_remat_with_adapters_changes_nothing_but_memory(base_quant):
+  """model.remat=True over a frozen (maybe quantized) base: the loss and the adapters'
+  gradients are those without remat (the 8B configs run with remat)."""
+  tokens = jnp.asarray(np.random.default_rng(0).integers(3, 64, (2, 8)), jnp.int32)
+  cfg = LoraConfig(rank=4, base_quant=base_quant)
+  out = []
+  for remat in (False, True):
+    model = _random_adapters(lora.with_adapters(make_test_model(remat=remat), cfg, seed=0))
+    graphdef, params, rest = lora.split(model)
+    loss = lambda p: jnp.mean(jax.nn.log_softmax(nnx.merge(graphdef, p, rest)(tokens))[..., 0])
+    out.append(jax.jit(jax.value_and_grad(loss))(params))
+  (l0, g0), (l1, g1) = out
+  np.testing.assert_allclose(float(l0), float(l1), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):   # fp32 sums, recomputed
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -224,8 +224,15 @@ class Decoder(nnx.Module):
                               router_noise_scale=router_noise_scale, routing=forced)
           return y, route
         if cfg.remat:
-          run = nnx.remat(run)
-        x, route = run(layer, x, positions, vis, router_noise_key, forced)
+          # jax.checkpoint of the block as a pure function of its state (not nnx.remat, which
+          # writes the state it traced back into the module: a LoRA model's frozen base lives
+          # outside the differentiated params, and Flax refuses that write across traces).
+          graphdef, state = nnx.split(layer)
+          x, route = jax.checkpoint(
+              lambda state, *a: run(nnx.merge(graphdef, state), *a))(
+                  state, x, positions, vis, router_noise_key, forced)
+        else:
+          x, route = run(layer, x, positions, vis, router_noise_key, forced)
       else:
         # Cached decoding never runs a backward pass, so remat would buy nothing.
         x, cache, route = layer(x, positions, vis, attn_impl=attn_impl,
