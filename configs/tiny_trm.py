@@ -216,8 +216,12 @@ def get_config(arg=None):
   c.optim.clip_norm = 1.0
 
   # Mesh (-1 = all remaining devices). rollout_devices = n > 0 puts the sampler on the first n
-  # devices and the learner's (data, fsdp, tensor) mesh on the rest (0 = colocated).
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, rollout_devices=0))
+  # devices and the learner's (data, fsdp, expert, tensor) mesh on the rest (0 = colocated).
+  # expert = n > 1 splits an MoE model's experts over n devices (it must divide them); tokens
+  # travel to their experts and back (models/expert_parallel.py); outside the MoE layers the
+  # axis splits the batch like data. 1 = every device holds every expert.
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1,
+                                          rollout_devices=0))
 
   # Debug (fault-injection for tests; leave at 0)
   c.debug = ml_collections.ConfigDict()

@@ -25,9 +25,10 @@ def mesh():
 
 def test_make_mesh_axes_are_auto(mesh):
   assert mesh.axis_names == shd.MESH_AXES
-  assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 4}
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "expert": 1, "tensor": 4}
   assert all(t == AxisType.Auto for t in mesh.axis_types)
-  assert dict(shd.make_mesh((2, 1, 4)).shape) == {"data": 2, "fsdp": 1, "tensor": 4}
+  assert dict(shd.make_mesh((2, 1, 1, 4)).shape) == {"data": 2, "fsdp": 1, "expert": 1,
+                                                     "tensor": 4}
   with pytest.raises(ValueError, match="needs 16 devices"):
     shd.make_mesh({"data": 4, "tensor": 4})
   with pytest.raises(ValueError, match="unknown mesh axes \\['model'\\]"):
@@ -64,15 +65,18 @@ def test_opt_state_shardings_follow_params_scalars_replicated(mesh):
 
 def test_spec_rules(mesh):
   q = (shd.EMBED, shd.Q_HEADS, shd.HEAD_DIM)
-  assert shd.spec_for(q, shape=(64, 4, 16), mesh=mesh) == P("fsdp", "tensor", None)
+  fsdp = ("fsdp", "expert")   # D is split over fsdp x expert (expert has size 1 here)
+  assert shd.spec_for(q, shape=(64, 4, 16), mesh=mesh) == P(fsdp, "tensor", None)
   # 2 kv heads cannot be split 4 ways: replicated over `tensor` instead of failing.
   assert shd.spec_for((shd.EMBED, shd.KV_HEADS, shd.HEAD_DIM), shape=(64, 2, 16),
-                      mesh=mesh) == P("fsdp", None, None)
+                      mesh=mesh) == P(fsdp, None, None)
   # A mesh axis is used once per array: the first dimension asking for it wins.
   assert shd.spec_for((shd.MLP, shd.VOCAB)) == P("tensor", None)
-  assert shd.spec_for((shd.BATCH, shd.LENGTH)) == P(("data", "fsdp"), None)
+  assert shd.spec_for((shd.BATCH, shd.LENGTH)) == P(("data", "fsdp", "expert"), None)
+  # An expert weight: E takes `expert`, so its D is split over fsdp alone.
+  assert shd.spec_for((shd.EXPERTS, shd.EMBED, shd.MLP)) == P("expert", "fsdp", "tensor")
   rules = shd.DEFAULT_RULES + ((shd.EXPERTS, "tensor"),)  # later rules override
-  assert shd.spec_for((shd.EXPERTS, shd.EMBED, shd.MLP), rules=rules) == P("tensor", "fsdp", None)
+  assert shd.spec_for((shd.EXPERTS, shd.EMBED, shd.MLP), rules=rules) == P("tensor", fsdp, None)
   with pytest.raises(ValueError, match="logical axis 'heads' has no sharding rule"):
     shd.spec_for(("heads",))
 
@@ -91,7 +95,7 @@ def test_every_param_has_logical_axes(overrides):
 def test_shard_model_places_random_init(mesh):
   model = shd.shard_model(make_test_model(), mesh)
   q = model.layers[0].attn.q_proj[...]
-  assert q.sharding.spec == P("fsdp", "tensor", None)
+  assert q.sharding.spec == P(("fsdp", "expert"), "tensor", None)
   assert {s.data.shape for s in q.addressable_shards} == {(32, 1, 16)}
 
 
@@ -120,7 +124,7 @@ def test_load_into_2x4_mesh_matches_single_device(tmp_path, mesh, arch):
   single = from_pretrained(path)
   sharded = from_pretrained(path, mesh=mesh)
   emb = sharded.embed.embedding[...]
-  assert emb.sharding.spec == P("tensor", "fsdp")
+  assert emb.sharding.spec == P("tensor", ("fsdp", "expert"))
   assert {s.data.shape for s in emb.addressable_shards} == {(32, 32)}  # V/4, D/2
   assert len(single.embed.embedding[...].devices()) == 1
 
@@ -141,8 +145,8 @@ def test_constrain_is_a_noop_without_mesh_and_shards_with_one(mesh):
   assert shd.constrain(x, axes) is x
   with jax.set_mesh(mesh):
     y = jax.jit(lambda x: shd.constrain(x * 2, axes))(x)
-  # batch takes data x fsdp (size 2 here), so embed may not reuse fsdp.
-  want = NamedSharding(mesh, P(("data", "fsdp"), None, None))
+  # batch takes data x fsdp x expert (size 2 here), so embed may not reuse fsdp.
+  want = NamedSharding(mesh, P(("data", "fsdp", "expert"), None, None))
   assert y.sharding.is_equivalent_to(want, 3)
   assert {s.data.shape for s in y.addressable_shards} == {(2, 3, 64)}
 

@@ -78,12 +78,13 @@ def _np(tree):
 
 @pytest.fixture(scope="module")
 def one_device():
-  params, opt_state, aux, _ = learner_step(shd.make_mesh((1, 1, 1)))
+  params, opt_state, aux, _ = learner_step(shd.make_mesh((1, 1, 1, 1)))
   return _np(params), _np(opt_state), {k: float(v) for k, v in aux.items()}
 
 
-@pytest.mark.parametrize("sizes", [dict(fsdp=2, tensor=4), dict(data=8)],
-                         ids=["fsdp2_tensor4", "data8"])
+@pytest.mark.parametrize("sizes", [dict(fsdp=2, tensor=4), dict(data=8),
+                                   dict(fsdp=2, expert=4)],
+                         ids=["fsdp2_tensor4", "data8", "fsdp2_expert4"])
 def test_learner_update_on_8_devices_equals_one_device(one_device, sizes):
   ref_params, ref_opt, ref_aux = one_device
   assert ref_aux["learner/skipped"] == 0.0 and ref_aux["learner/grad_norm"] > 0
@@ -106,25 +107,32 @@ def test_learner_update_on_8_devices_equals_one_device(one_device, sizes):
     assert float(aux[k]) == pytest.approx(v, rel=1e-5, abs=1e-6), k
 
 
-def test_batch_is_split_over_data_and_fsdp():
-  mesh = shd.mesh_from_config(dict(data=2, fsdp=2, tensor=2))
+def test_batch_is_split_over_data_fsdp_and_expert():
+  mesh = shd.mesh_from_config(dict(data=2, fsdp=2, expert=2))
   batch = shd.put_batch(host_batch(), mesh)
   s = batch.tokens.sharding
-  assert isinstance(s, NamedSharding) and s.spec[0] == ("data", "fsdp")
-  assert {sh.data.shape for sh in batch.tokens.addressable_shards} == {(B // 4, P + R)}
-  assert batch.advantages.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+  assert isinstance(s, NamedSharding) and s.spec[0] == ("data", "fsdp", "expert")
+  assert {sh.data.shape for sh in batch.tokens.addressable_shards} == {(B // 8, P + R)}
+  assert batch.advantages.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp",
+                                                                        "expert"))
 
 
 def test_mesh_from_config_fills_minus_one_and_names_bad_keys():
   c = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py"))
   mesh, sampler = train.make_mesh(c)
-  assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1} and sampler is None
+  assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
+  assert sampler is None
   c.mesh.fsdp, c.mesh.tensor = 2, 2
-  assert dict(train.make_mesh(c)[0].shape) == {"data": 2, "fsdp": 2, "tensor": 2}
-  c.mesh.data = 3
-  with pytest.raises(config_lib.ConfigError, match=r"mesh\.data=3 \* mesh\.fsdp=2 \* "
-                     r"mesh\.tensor=2 = 12 devices, but 8 are present"):
+  assert dict(train.make_mesh(c)[0].shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+  c.mesh.data = 4
+  with pytest.raises(config_lib.ConfigError, match=r"mesh\.data=4 \* mesh\.fsdp=2 \* "
+                     r"mesh\.expert=1 \* mesh\.tensor=2 = 16 devices, but 8 are present"):
     train.make_mesh(c)
+  c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor = -1, 1, 3, 1
+  with pytest.raises(config_lib.ConfigError, match=r"^mesh\.expert=3 does not divide the 8 "
+                     "devices present"):
+    train.make_mesh(c)
+  c.mesh.expert = 1
   c.mesh.data, c.mesh.fsdp = -1, 3
   with pytest.raises(config_lib.ConfigError, match=r"mesh\.fsdp=3.*does not divide the 8"):
     train.make_mesh(c)
@@ -140,7 +148,7 @@ def test_disaggregated_meshes_split_the_devices():
   devices = jax.devices()
   assert list(sampler.devices.flat) == devices[:4] and dict(sampler.shape)["data"] == 4
   assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices[4:])
-  assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 1}
+  assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 1}
   c.mesh.rollout_devices = 8
   with pytest.raises(config_lib.ConfigError) as e:
     train.make_mesh(c)

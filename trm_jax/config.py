@@ -246,7 +246,7 @@ def validate_task(t: ml_collections.ConfigDict) -> None:
 
 def check_batch_mesh(c: ml_collections.ConfigDict, mesh, sampler_mesh=None) -> None:
   """The rollout batch and each minibatch split evenly over the mesh axes that shard a batch
-  (`sharding.batch_shards`: data x fsdp). Otherwise `sharding.put_batch` replicates them and
+  (`sharding.batch_shards`: data x fsdp x expert). Otherwise `sharding.put_batch` replicates them and
   every device computes every row, silently. For every consumer of the trainer's meshes (the
   trainer calls it right after building them; AOT compilation should too)."""
   from trm_jax import sharding as shd  # pylint: disable=g-import-not-at-top
@@ -259,8 +259,8 @@ def check_batch_mesh(c: ml_collections.ConfigDict, mesh, sampler_mesh=None) -> N
   n = shd.batch_shards(mesh)
   _require(r.batch_size % n == 0, ["rl.batch_size", "mesh"],
            f"batch_size={r.batch_size} does not split over the {n} batch shards of the "
-           f"learner's mesh {shape(mesh)} (mesh.data x mesh.fsdp); it would be replicated on "
-           f"every device. Use a multiple of {n}")
+           f"learner's mesh {shape(mesh)} (mesh.data x mesh.fsdp x mesh.expert); it would be "
+           f"replicated on every device. Use a multiple of {n}")
   _require(mb % n == 0, ["rl.batch_size", "rl.num_minibatches", "mesh"],
            f"minibatch of {mb} sequences (batch_size={r.batch_size} / num_minibatches="
            f"{r.num_minibatches}) does not split over the {n} batch shards of the learner's "
@@ -299,6 +299,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   from trm_jax.rollout.policies import POLICIES
   from trm_jax.rollout.types import DENSE
   from trm_jax.trm import CRITERIA
+  e = c.mesh.get("expert", 1)
+  _require(isinstance(e, int) and not isinstance(e, bool) and (e >= 1 or e == -1),
+           ["mesh.expert"], f"must be an integer >= 1 (or -1 = the remaining devices), got {e!r}")
   for key in ("rl.staleness", "mesh.rollout_devices"):
     v = _get(c, key)
     _require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, [key],
@@ -457,12 +460,13 @@ def _known_model_limits(c: ml_collections.ConfigDict) -> dict:
     # The warm-up model would be trained on a file task, which no config intends (the paper
     # configs say model.path must be set) and `trm_jax.aot` validates such configs with a
     # model of its own: the limits are checked once the model is loaded.
-    return {"max_positions": None, "vocab_size": None}
+    return {"max_positions": None, "vocab_size": None, "num_experts": None}
   if not c.model.path:
     from trm_jax.data import synthetic  # pylint: disable=g-import-not-at-top
     # The warm-up model's vocabulary is the synthetic tokenizer's (warmup.build_base_model).
     vocab = len(synthetic.SPECIAL_TOKENS) + len(dict.fromkeys(synthetic.ALPHABET))
-    return {"max_positions": c.model.arch.max_position_embeddings, "vocab_size": vocab}
+    return {"max_positions": c.model.arch.max_position_embeddings, "vocab_size": vocab,
+            "num_experts": c.model.arch.get("num_experts", 0)}
   try:
     with open(os.path.join(os.path.expanduser(c.model.path), "config.json")) as f:
       hf = json.load(f)
@@ -470,18 +474,20 @@ def _known_model_limits(c: ml_collections.ConfigDict) -> dict:
     # Sizes of another type are the loader's to report (it names the file and the key).
     size = lambda v: v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
     return {"max_positions": size(hf.get("max_position_embeddings")),
-            "vocab_size": size(hf.get("vocab_size"))}
+            "vocab_size": size(hf.get("vocab_size")),
+            "num_experts": size(hf.get("num_experts"))}
   except (OSError, ValueError):
-    return {"max_positions": None, "vocab_size": None}
+    return {"max_positions": None, "vocab_size": None, "num_experts": None}
 
 
 def check_model_fit(c: ml_collections.ConfigDict, *, max_positions, vocab_size,
-                    prompt_len: int = 0, new_tokens: int = 0) -> None:
+                    prompt_len: int = 0, new_tokens: int = 0, num_experts=None) -> None:
   """Prompt + new tokens against the model's positions, the rollout's top-k sizes against
-  its vocabulary, and DAPO's overlong buffer against the new tokens. Run by `validate` with
-  what the config alone tells (explicit lengths, the warm-up arch or model.path's
-  config.json), and by the trainer again once the model is loaded and the task has derived
-  its lengths. None = not known yet (skipped)."""
+  its vocabulary, DAPO's overlong buffer against the new tokens, mesh.expert against its
+  experts. Run by `validate` with what the config alone tells (explicit lengths, the warm-up
+  arch or model.path's config.json), and by the trainer again once the model is loaded and
+  the task has derived its lengths. None = not known yet (skipped)."""
+  check_expert_mesh(c.mesh.get("expert", 1), num_experts)
   P = prompt_len or c.task.max_prompt_len
   R = new_tokens or c.task.max_new_tokens
   if R:
@@ -501,3 +507,13 @@ def check_model_fit(c: ml_collections.ConfigDict, *, max_positions, vocab_size,
       v = _get(c, key)
       _require(v <= vocab_size, [key],
                f"{v} is more than the model's vocab_size={vocab_size}")
+
+
+def check_expert_mesh(expert: int, num_experts) -> None:
+  """mesh.expert (resolved, or as configured; -1 is checked once resolved) divides the
+  model's experts: each device of an expert group holds num_experts / mesh.expert of them. A
+  dense model (0 experts) takes any size: there the axis only splits the batch."""
+  if num_experts and expert > 1:
+    _require(num_experts % expert == 0, ["mesh.expert"],
+             f"mesh.expert={expert} does not divide the model's {num_experts} experts (each "
+             "device of an expert group holds num_experts / mesh.expert of them)")

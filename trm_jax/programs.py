@@ -41,6 +41,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from trm_jax import config as config_lib
 from trm_jax import sharding as shd
 from trm_jax.config import ConfigError
 from trm_jax.models import lora
@@ -351,6 +352,10 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
   r, P, R = c.rollout, sizes.P, sizes.R
   T, B = P + R, c.rl.batch_size
   mcfg = model.config
+  try:   # the resolved axis (mesh.expert = -1 included), against the model's experts
+    config_lib.check_expert_mesh(dict(mesh.shape).get(shd.EXPERT, 1), mcfg.num_experts)
+  except ConfigError as e:
+    raise ConfigError(f"{e} (mesh {dict(mesh.shape)})") from None
   if r.routing_replay and not model.moe_layers:
     raise ConfigError(f"bad config value [rollout.routing_replay]: routing replay needs MoE "
                       f"layers; this {mcfg.model_type} model has none")

@@ -2,8 +2,13 @@
 
 Every `nnx.Param` in `trm_jax.models` carries a `logical_axes` metadata tuple (one name per
 array dimension, constants below). Rules map a logical name to zero, one or several mesh axes
-of the fixed three-axis mesh (`data`, `fsdp`, `tensor`), the maxtext convention: the model
-says *what* a dimension is, the config says *where* it lives.
+of the fixed four-axis mesh (`data`, `fsdp`, `expert`, `tensor`), the maxtext convention: the
+model says *what* a dimension is, the config says *where* it lives.
+
+The `expert` axis holds the MoE experts (`E` split over it; `models/expert_parallel.py` sends
+each token to its experts' devices and back). Outside the MoE layers it is one more batch axis
+(rows split over data x fsdp x expert) and, like fsdp, it shards the model dimension of every
+weight that has no expert dimension, so no weight is whole on every device of an expert group.
 
 Deviation from maxtext: a mesh axis that does not divide a dimension is dropped for that
 dimension (the dimension is replicated over it) instead of raising, so tiny test models and
@@ -35,25 +40,26 @@ EXPERTS = "experts"      # E
 NORM = "norm"            # RMSNorm scales (tiny: always replicated)
 LORA_RANK = "lora_rank"  # r of a low-rank adapter (models/lora.py): small, replicated
 
-# Mesh axes, outermost first.
-DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
-MESH_AXES = (DATA, FSDP, TENSOR)
+# Mesh axes, outermost first (tensor innermost: its collectives are the most frequent).
+DATA, FSDP, EXPERT, TENSOR = "data", "fsdp", "expert", "tensor"
+MESH_AXES = (DATA, FSDP, EXPERT, TENSOR)
 
 MeshAxes = Union[None, str, Tuple[str, ...]]
 Rules = Tuple[Tuple[str, MeshAxes], ...]
 
-# Default rules: batch over data x fsdp; weights fully sharded over fsdp on D and
-# tensor-parallel over heads / mlp / vocab. Experts are replicated (no expert parallelism).
+# Default rules: batch over data x fsdp x expert; weights fully sharded over fsdp (and expert)
+# on D and tensor-parallel over heads / mlp / vocab; MoE experts over the expert axis (an
+# expert weight [E, D, F] takes `expert` for E first, so its D is split over fsdp alone).
 DEFAULT_RULES: Rules = (
-    (BATCH, (DATA, FSDP)),
+    (BATCH, (DATA, FSDP, EXPERT)),
     (LENGTH, None),
-    (EMBED, FSDP),
+    (EMBED, (FSDP, EXPERT)),
     (VOCAB, TENSOR),
     (Q_HEADS, TENSOR),
     (KV_HEADS, TENSOR),
     (HEAD_DIM, None),
     (MLP, TENSOR),
-    (EXPERTS, None),
+    (EXPERTS, EXPERT),
     (NORM, None),
     (LORA_RANK, None),
 )
@@ -63,10 +69,10 @@ LOGICAL_AXES_KEY = "logical_axes"  # nnx.Param metadata key
 
 def make_mesh(axis_sizes: Union[Mapping[str, int], Sequence[int]],
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh with Auto axis types, devices in topology order.
+  """A (data, fsdp, expert, tensor) mesh with Auto axis types, devices in topology order.
 
   Args:
-    axis_sizes: {"fsdp": 2, "tensor": 4} (missing axes get size 1) or a 3-sequence of sizes
+    axis_sizes: {"fsdp": 2, "tensor": 4} (missing axes get size 1) or a sequence of sizes
       in MESH_AXES order.
     devices: defaults to the first prod(sizes) of jax.devices().
   """
@@ -136,8 +142,8 @@ def constrain(x: jax.Array, axes: Sequence[Optional[str]],
   """Sharding constraint on an activation by logical axes, when a mesh is set.
 
   Inside `jax.set_mesh(mesh)` this pins e.g. the residual stream [B, T, D] to
-  (data x fsdp, -, -) at block boundaries (maxtext's practice); without a mesh it is a no-op,
-  so single-device code pays nothing.
+  (data x fsdp x expert, -, -) at block boundaries (maxtext's practice); without a mesh it is
+  a no-op, so single-device code pays nothing.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
@@ -209,6 +215,10 @@ def resolve_mesh_shape(axis_sizes: Mapping[str, int], n_devices: int, *,
     raise ValueError(f"{desc}: sizes must be positive, with at most one -1 (= remaining "
                      "devices)")
   fixed = math.prod(s for s in sizes.values() if s != -1)
+  for a, s in sizes.items():
+    if s > 1 and n_devices % s:
+      raise ValueError(f"{key}.{a}={s} does not divide the {n_devices} devices present "
+                       f"({desc})")
   if free:
     if n_devices % fixed:
       raise ValueError(f"{desc}: the fixed axes use {fixed} devices, which does not divide the "
@@ -224,7 +234,8 @@ def resolve_mesh_shape(axis_sizes: Mapping[str, int], n_devices: int, *,
 def mesh_from_config(axis_sizes: Mapping[str, int],
                      devices: Optional[Sequence[jax.Device]] = None, *,
                      key: str = "mesh") -> Mesh:
-  """The (data, fsdp, tensor) mesh over all `devices` (default: every device of every process)."""
+  """The (data, fsdp, expert, tensor) mesh over all `devices` (default: every device of every
+  process)."""
   devices = list(jax.devices() if devices is None else devices)
   return make_mesh(resolve_mesh_shape(axis_sizes, len(devices), key=key), devices)
 

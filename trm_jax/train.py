@@ -14,9 +14,9 @@ steps to the last 10%, first and last held-out evaluation) and the policy as an 
 Artifacts in --workdir: config.json, metrics.jsonl, tb/, ckpt/, curves.png, summary.json, hf/.
 
 Scale and faults:
-  * Mesh (`config.mesh`, axes data/fsdp/tensor, one -1 = remaining devices): the model loads
-    sharded by its logical axes, the optimizer state mirrors the parameter shardings, batches
-    are split over (data, fsdp). The sampler runs on the same sharded parameters, or with
+  * Mesh (`config.mesh`, axes data/fsdp/expert/tensor, one -1 = remaining devices): the model
+    loads sharded by its logical axes (an MoE model's experts over `expert`), the optimizer
+    state mirrors the parameter shardings, batches are split over (data, fsdp, expert). The sampler runs on the same sharded parameters, or with
     mesh.rollout_devices = n on the first n devices with a copy in its dtype per rollout
     (`step.to_sampler`).
   * Multi-process: `init_distributed()` (CLI; `trm_jax.distributed`) calls
@@ -121,10 +121,11 @@ def compilation_cache(c: ml_collections.ConfigDict) -> Optional[str]:
 def make_mesh(c: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, Optional[jax.sharding.Mesh]]:
   """(learner mesh, sampler mesh or None) from `config.mesh`.
 
-  Colocated (mesh.rollout_devices = 0): one (data, fsdp, tensor) mesh over every device of
-  every process, shared by sampler and learner. Disaggregated (n > 0): the sampler gets the
-  first n devices (a data-parallel mesh of its own), the learner the config's axes over the
-  rest; parameters are copied to the sampler for every rollout (step.dispatch_rollout).
+  Colocated (mesh.rollout_devices = 0): one (data, fsdp, expert, tensor) mesh over every
+  device of every process, shared by sampler and learner. Disaggregated (n > 0): the sampler
+  gets the first n devices (a data-parallel mesh of its own), the learner the config's axes
+  over the rest; parameters are copied to the sampler for every rollout
+  (step.dispatch_rollout).
   """
   axes = {k: v for k, v in c.mesh.items() if k != "rollout_devices"}
   n, devices = c.mesh.rollout_devices, jax.devices()
@@ -228,7 +229,8 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
   # task's derived lengths are known.
   config_lib.check_model_fit(c, max_positions=model.config.max_position_embeddings,
                              vocab_size=model.config.vocab_size,
-                             prompt_len=task.max_prompt_len, new_tokens=task.max_new_tokens)
+                             prompt_len=task.max_prompt_len, new_tokens=task.max_new_tokens,
+                             num_experts=model.config.num_experts)
   task.check_prompts(c.eval_problems)
   step_lib.warn_truncation(c)
   if _zero_thresholds(c):

@@ -127,7 +127,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
 def meshes(c: ml_collections.ConfigDict, devices: Sequence):
   """(learner mesh, sampler mesh) as the trainer builds them (`train.make_mesh`): with
   mesh.rollout_devices = n > 0 the sampler gets the first n devices as a data-parallel mesh
-  and the learner the config's (data, fsdp, tensor) axes over the rest; else both share one."""
+  and the learner the config's (data, fsdp, expert, tensor) axes over the rest; else both
+  share one."""
   n = int(c.mesh.get("rollout_devices", 0))
   axes = {k: v for k, v in c.mesh.items() if k != "rollout_devices"}
   if n >= len(devices):

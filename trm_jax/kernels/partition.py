@@ -12,8 +12,8 @@ device's block of rows and heads:
   evicted_at [B, K, T]                      (batch, kv heads, -)
 
 with the batch and head mesh axes taken from the same logical-axis rules as the model's
-activations (`sharding.spec_for`: batch over data x fsdp, heads over tensor, an axis that does
-not divide its dimension replicated). Query heads follow their kv heads: a device holding kv
+activations (`sharding.spec_for`: batch over data x fsdp x expert, heads over tensor, an axis
+that does not divide its dimension replicated). Query heads follow their kv heads: a device holding kv
 heads [k0, k1) holds query heads [k0 * G, k1 * G), which is exactly what contiguous sharding
 of N = G * K by the same axes gives.
 

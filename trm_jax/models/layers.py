@@ -37,7 +37,7 @@ from trm_jax import rng
 from trm_jax import sharding as shd
 from trm_jax.kernels import attention
 from trm_jax.kernels.visibility import LayerVisibility
-from trm_jax.models import kv_cache
+from trm_jax.models import expert_parallel, kv_cache
 from trm_jax.models.config import ModelConfig
 
 # transformers' default `initializer_range`: random models start at the same scale as HF ones.
@@ -300,7 +300,10 @@ class MoE(nnx.Module):
   """Qwen3-MoE sparse block: fp32 softmax router over E experts, top-k, SwiGLU experts.
 
   Dispatch sorts the B*T*k (token, expert) pairs by expert and runs three grouped matmuls
-  (`jax.lax.ragged_dot`), so compute is k/E of running every expert on every token.
+  (`jax.lax.ragged_dot`), so compute is k/E of running every expert on every token. Under a
+  mesh with an `expert` axis of n > 1 devices each device holds E / n experts and the pairs
+  travel to their experts' devices and back (`expert_parallel.moe`); the routing below is
+  decided first, the same under any mesh.
 
   Router jitter (the "MoE router mismatch" knob): with `router_noise_key`, the top-k choice is
   made on router logits plus `router_noise_scale * N(0, 1)`; the key is folded with this
@@ -368,27 +371,46 @@ class MoE(nnx.Module):
     forced = None if routing is None else routing.reshape(B * T, k)
     weights, experts, own = self.route(xf, router_noise_key, router_noise_scale, forced,
                                        None if noise_ids is None else noise_ids.reshape(-1))
-    flat = experts.reshape(-1)                                           # [M*k]
-    order = jnp.argsort(flat, stable=True)                               # sorted by expert
-    xs = xf[order // k]                                                  # [M*k, D]
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)               # [E]
+    ffn = functools.partial(self.ffn, inference=inference)
+    experts_w = (self.gate_proj, self.up_proj, self.down_proj)
+    mesh = expert_parallel.expert_mesh()
+    if mesh is not None:   # experts split over mesh.expert: pairs travel to their experts
+      y = expert_parallel.moe(mesh, xf, experts, weights, [p[...] for p in experts_w],
+                              [shd.param_axes(p) for p in experts_w], ffn=ffn,
+                              combine=self.combine)
+    else:
+      flat = experts.reshape(-1)                                         # [M*k]
+      order = jnp.argsort(flat, stable=True)                             # sorted by expert
+      sizes = jnp.bincount(flat, length=E).astype(jnp.int32)             # [E]
+      ys = ffn(xf[order // k], sizes, *(p[...] for p in experts_w))      # [M*k, D]
+      y = self.combine(ys[jnp.argsort(order)].reshape(B * T, k, D), weights)
+    y = y.reshape(B, T, D)
+    if not with_route:
+      return y
+    return y, Route(chosen=experts.reshape(B, T, k), own=own.reshape(B, T, k))
+
+  def ffn(self, xs: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array,
+          down: jax.Array, *, inference: bool = False) -> jax.Array:
+    """The experts' SwiGLU on rows grouped by expert: xs [R, D], sizes [G] rows per expert,
+    the G experts' weights -> [R, D] (rows past sum(sizes) give 0). inference: see `project`."""
+    dt = self.cfg.compute_dtype
 
     def grouped(a, w):
       if not inference:
         return jax.lax.ragged_dot(a, w.astype(dt), sizes)
       return jax.lax.ragged_dot(a, w.astype(dt), sizes,
                                 preferred_element_type=jnp.float32).astype(dt)
-    g = grouped(xs, self.gate_proj[...])                                 # [M*k, F]
-    u = grouped(xs, self.up_proj[...])
-    y = grouped(jax.nn.silu(g) * u, self.down_proj[...])
-    y = y[jnp.argsort(order)].reshape(B * T, k, D)                       # back to token order
+    g = grouped(xs, gate)                                                # [R, F]
+    u = grouped(xs, up)
+    return grouped(jax.nn.silu(g) * u, down)
+
+  def combine(self, y: jax.Array, weights: jax.Array) -> jax.Array:
+    """Each token's k expert outputs y [M, k, D] weighted by its gates [M, k], summed in
+    fp32 -> [M, D] in the compute dtype."""
+    dt = self.cfg.compute_dtype
     # transformers rounds the routing weights to the compute dtype before scaling.
     w = weights.astype(dt).astype(jnp.float32)[..., None]
-    out = jnp.sum(y.astype(jnp.float32) * w, axis=1)                     # [M, D]
-    y = out.astype(dt).reshape(B, T, D)
-    if not with_route:
-      return y
-    return y, Route(chosen=experts.reshape(B, T, k), own=own.reshape(B, T, k))
+    return jnp.sum(y.astype(jnp.float32) * w, axis=1).astype(dt)
 
 
 @struct.dataclass

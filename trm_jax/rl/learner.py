@@ -142,6 +142,24 @@ def replay_flip_rate(routing, routed_experts: jax.Array, segment_ids: jax.Array)
   return jnp.sum(flips) / jnp.maximum(jnp.sum(fed), 1)
 
 
+def expert_load_max_over_mean(chosen: jax.Array, segment_ids: jax.Array,
+                              num_experts: int) -> jax.Array:
+  """How far the busiest expert's share exceeds a balanced one, averaged over MoE layers.
+
+  chosen [B, L_moe, T, k] the experts that ran, segment_ids [B, T] (0 = padding). Per layer,
+  the tokens each expert ran on (valid tokens only), max over experts / mean over experts; the
+  mean over layers is the factor by which the step's grouped matmuls, each layer waiting for
+  its busiest expert, exceed perfectly balanced ones (every layer sees the same number of
+  (token, expert) pairs, so the layers weigh equally). 1 = balanced."""
+  B, L, T, k = chosen.shape
+  valid = jnp.broadcast_to((segment_ids > 0)[:, None, :, None], chosen.shape)
+  per_layer = lambda e, w: jnp.bincount(e, weights=w, length=num_experts)   # [E]
+  counts = jax.vmap(per_layer)(jnp.moveaxis(chosen, 1, 0).reshape(L, -1),
+                               jnp.moveaxis(valid, 1, 0).reshape(L, -1).astype(jnp.float32))
+  mean = jnp.sum(counts, axis=1) / num_experts                             # [L]
+  return jnp.mean(jnp.max(counts, axis=1) / jnp.maximum(mean, 1e-9))
+
+
 def _trm_mask(cfg: LearnerConfig, terms: dict, batch: LearnerBatch):
   stats = trm.TokenStats(mask=batch.response_mask,
                          log_rho=(terms["logp"] - batch.logp_roll) * batch.response_mask,
@@ -179,6 +197,9 @@ def _score_terms(terms: dict, routing, batch: LearnerBatch, cfg: LearnerConfig, 
   n_tok = jnp.maximum(jnp.sum(batch.response_mask), 1.0)
   metrics["learner/entropy"] = jnp.sum(terms["entropy"]) / n_tok
   metrics["learner/k3_mean"] = jnp.sum(trm.k3(log_rho_r) * mask_r) / n_tok
+  if routing is not None:   # an MoE model: the experts that ran on the batch's tokens
+    metrics["moe/expert_load_max_over_mean"] = expert_load_max_over_mean(
+        routing.chosen, batch.segment_ids, model.config.num_experts)
   if batch.routed_experts is not None:
     metrics["moe/replay_flip_rate"] = replay_flip_rate(routing, batch.routed_experts,
                                                        batch.segment_ids)
