@@ -250,6 +250,7 @@ def measure(program: programs_lib.Program, *, chip, devices_per_chip: int,
     with open(os.path.join(hlo_dir, f"{name}.hlo.txt"), "w") as f:
       f.write(text)
   cost = hlo_cost.hlo_text_cost(text, default_trips=program.loop_trips, xla=xla)
+  row["collective_bytes"] = hlo_cost.collective_bytes(text, default_trips=program.loop_trips)
   row.update(flops=cost["flops"], bytes_accessed=cost["bytes_accessed"],
              kernel_flops=cost["kernel_flops"], xla_flops=cost["xla_flops"],
              xla_bytes_accessed=cost["xla_bytes"], loops=cost["loops"])
@@ -299,6 +300,7 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
     log(f"[aot] {name}: compiling ...")
     row = measure(s.programs[name], chip=chip, devices_per_chip=per_chip, hlo_dir=hlo_dir,
                   mem_fraction=gpu_mem_fraction if platform == "gpu" else 1.0)
+    row["all_to_all_analytic_bytes"] = all_to_all_analytic(c, s, s.programs[name])
     log("[aot] " + describe(row))
     rows.append(row)
   fit = all(r["fits"] for r in rows)
@@ -306,6 +308,17 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
   def roofline(per: str):
     return (sum(r["roofline_s"] * r["calls_per_step"] for r in rows if r["per"] == per)
             if fit and any(r["per"] == per for r in rows) else None)
+
+  def per_step(field):
+    """A per-call figure summed over the step's programs times their calls (None where a
+    step program lacks it: not compiled, or no expert parallelism)."""
+    step = [r for r in rows if r["per"] == "step"]
+    if not step or any(r.get(field) is None for r in step):
+      return None
+    if isinstance(step[0][field], dict):
+      kinds = sorted({k for r in step for k in r[field]})
+      return {k: sum(r[field].get(k, 0.0) * r["calls_per_step"] for r in step) for k in kinds}
+    return sum(r[field] * r["calls_per_step"] for r in step)
   return {
       "what": "per-device memory and loop-aware cost of the trainer's programs "
               "(programs.build), compiled ahead of time for a TPU topology (trm_jax.aot)",
@@ -318,9 +331,37 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
       "jax_version": jax.__version__, "libtpu_version": package_version("libtpu"),
       "cuda_plugin_version": package_version("jax-cuda12-plugin"),
       "programs": rows, "fits": fit, "step_roofline_s": roofline("step"),
-      "evaluation_roofline_s": roofline("evaluation"), "sync": s.sync,
+      "evaluation_roofline_s": roofline("evaluation"),
+      "collective_bytes_per_step": per_step("collective_bytes"),
+      "all_to_all_analytic_bytes_per_step": per_step("all_to_all_analytic_bytes"),
+      "sync": s.sync,
       "sampler_mesh": dict(s.programs["rollout"].mesh.shape),
       "wall_s": round(time.time() - t0, 1)}
+
+
+def all_to_all_analytic(c: ml_collections.ConfigDict, s: Setup,
+                        program: programs_lib.Program) -> Optional[float]:
+  """Bytes one call of `program` moves per device through the MoE all-to-all, counted
+  analytically: every MoE pass sends each token's k pairs of D values to their experts and
+  gets them back (tokens x k x D x bytes x 2), the tokens split over the mesh's batch shards;
+  the update's passes are forward and backward (and the recomputed forward with
+  model.remat), the sampler's tokens its prefill and every row decoding max_new_tokens.
+  None without expert parallelism (mesh.expert = 1 or a dense model)."""
+  mesh, mcfg = program.mesh, s.mcfg
+  if not mcfg.num_experts or dict(mesh.shape).get(shd.EXPERT, 1) == 1:
+    return None
+  n_moe = sum(mcfg.is_moe_layer(l) for l in range(mcfg.num_layers))
+  if program.name in ("score", "update"):
+    tokens = math.prod(program.args[-1].tokens.shape)
+    passes = 1 if program.name == "score" else 3 if mcfg.remat else 2
+    dtype = programs_lib.DTYPES[c.model.dtype]
+  else:   # a sampler: prefill once per group of rows sharing a prompt, then R - 1 steps
+    rows, P = program.args[1].shape
+    group = c.rl.group_size if program.name == "rollout" else 1
+    tokens, passes = rows // group * P + rows * (s.R - 1), 1
+    dtype = programs_lib.DTYPES[c.rollout.dtype if program.name == "rollout" else c.model.dtype]
+  return (tokens / shd.batch_shards(mesh) * mcfg.num_experts_per_tok * mcfg.hidden_size *
+          jnp.dtype(dtype).itemsize * 2 * n_moe * passes)
 
 
 def describe(row: dict) -> str:
@@ -335,7 +376,18 @@ def describe(row: dict) -> str:
           f"{row['resident_bytes'] / GiB:.2f}); {row['flops'] / 1e12:.1f} TFLOP, "
           f"{row['bytes_accessed'] / 1e9:.1f} GB accessed -> roofline {row['roofline_s']:.3g} "
           f"s ({row['bound']}-bound) x {row['calls_per_step']} per {row['per']}; compiled in "
-          f"{row['compile_s']}s, host peak {row['host_peak_rss_bytes'] / GiB:.1f} GiB")
+          f"{row['compile_s']}s, host peak {row['host_peak_rss_bytes'] / GiB:.1f} GiB"
+          + _describe_collectives(row))
+
+
+def _describe_collectives(row: dict) -> str:
+  coll = row.get("collective_bytes") or {}
+  if not coll:
+    return ""
+  out = "; collectives " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in sorted(coll.items()))
+  if row.get("all_to_all_analytic_bytes") is not None:
+    out += f" (MoE all-to-all analytic {row['all_to_all_analytic_bytes'] / 1e9:.2f} GB)"
+  return out
 
 
 def package_version(package: str) -> str:

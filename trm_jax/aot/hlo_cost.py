@@ -346,3 +346,68 @@ def hlo_text_cost(text: str, *, default_trips: Optional[int] = None,
           "xla_flops": float(xla.get("flops", 0.0)),
           "xla_bytes": float(xla.get("bytes accessed", 0.0)),
           "loops": [dataclasses.asdict(l) for l in loops]}
+
+
+# Collective ops and how many bytes one call moves per device, for `collective_bytes`.
+COLLECTIVES = ("ragged-all-to-all", "all-to-all", "all-gather", "reduce-scatter", "all-reduce",
+               "collective-permute")
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.*?) (" + "|".join(COLLECTIVES) +
+                         r")(-start)?\((.*)$")
+
+
+def collective_bytes(text: str, *, default_trips: Optional[int] = None) -> dict:
+  """Bytes each kind of collective moves per device in one run of an optimized HLO module,
+  every while loop counted per trip (trip counts as in `hlo_text_cost`).
+
+  A collective counts its result (an async `-start` its largest buffer): what a device holds
+  after an all-gather or all-to-all, the buffer an all-reduce sums. A `ragged-all-to-all`
+  counts the smaller of its input and output buffers: the rows it moves when routing is
+  balanced (an MoE dispatch sends its m * k pairs into a buffer of n * m * k rows, and the
+  return sends them back into m * k rows); the rows it moves are data-dependent.
+  """
+  comps, _, entry = _computations(text)
+  cache: dict[str, dict] = {}
+
+  def shape_bytes(rhs: str) -> int:
+    result = rhs.split(" ", 1)[0] if not rhs.startswith("(") else rhs[:rhs.index(")") + 1]
+    return max((_nbytes(s) for s in re.findall(r"\w+\[[\d,]*\]", result)), default=0)
+
+  def count(name: str) -> dict:
+    if name in cache:
+      return cache[name]
+    cache[name] = out = {}
+    lines = comps.get(name, ())
+    defs = _defs(lines)
+
+    def add(kind, n, times=1):
+      out[kind] = out.get(kind, 0) + n * times
+    for line in lines:
+      w = _WHILE.search(line)
+      if w:
+        op = re.search(r'op_name="([^"]*)"', line)
+        trips = _trip_count(comps.get(w.group(1), []), comps.get(w.group(2), []), lines, line)
+        if trips is None:
+          trips = default_trips if (default_trips and op and op.group(1).endswith("/while")) \
+              else 1
+        for kind, n in count(w.group(2)).items():
+          add(kind, n, trips)
+        continue
+      m = _COLLECTIVE.match(line)
+      if m:
+        nbytes = shape_bytes(m.group(1))
+        if m.group(2) == "ragged-all-to-all":
+          first = re.findall(r"%([\w.\-]+)", m.group(4))[:1]
+          if first and first[0] in defs:
+            nbytes = min(nbytes, shape_bytes(defs[first[0]]))
+        add(m.group(2), nbytes)
+        continue
+      called = _CALLS.findall(line)
+      for br in _BRANCHES.findall(line):
+        called += [c.strip().lstrip("%") for c in br.split(",") if c.strip()]
+      for c in called:
+        if c in comps and c != name:
+          for kind, n in count(c).items():
+            add(kind, n)
+    return out
+
+  return {k: float(v) for k, v in count(entry).items()}

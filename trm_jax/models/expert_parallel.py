@@ -74,7 +74,8 @@ def ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_
   chunk is padded to `capacity` rows, which must bound every send size."""
   rows = jnp.arange(capacity, dtype=jnp.int32)
   take = jnp.clip(input_offsets[:, None] + rows, 0, operand.shape[0] - 1)      # [n, C]
-  packed = jnp.where((rows < send_sizes[:, None])[..., None], operand[take], 0)  # [n, C, D]
+  sent = (rows < send_sizes[:, None]).reshape(take.shape + (1,) * (operand.ndim - 1))
+  packed = jnp.where(sent, operand[take], 0)                                    # [n, C, D]
   got = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=True)      # [n, C, D] by source
   # Where each source's rows go here: its output_offsets entry for this device.
   at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)           # [n]
@@ -138,7 +139,7 @@ def moe(mesh, x: jax.Array, experts: jax.Array, gates: jax.Array,
   token_spec = PartitionSpec(batch_axes, None)
   param_specs = tuple(shd.spec_for(a, shape=p.shape, mesh=mesh, rules=_EXPERT_RULES)
                       for p, a in zip(params, param_axes))
-  f_split = any(shd.TENSOR in tuple(s) for s in param_specs)
+  f_split = any(shd.TENSOR in tuple(s) for s in param_specs)   # (a size-1 axis: a no-op)
   exchange = _transport(None if mesh.abstract_device is None else
                         mesh.abstract_device.platform)
 
@@ -157,8 +158,11 @@ def moe(mesh, x: jax.Array, experts: jax.Array, gates: jax.Array,
     recv_at = _exclusive_cumsum(sizes, 0)   # its offset in its destination's receive buffer
     cap = n * m * k
     # (3) dispatch: this device's chunk for device j goes to j's buffer at recv_at[me, j].
-    got = exchange(xs, jnp.zeros((cap, D), xs.dtype), send_at[me], sizes[me], recv_at[me],
-                   sizes[:, me], capacity=m * k)
+    # The receive buffers are made like the rows they receive (zeros_like: varying over the
+    # same axes), else their tangents' transpose sums them over the mesh (an all-reduce of
+    # the whole buffer per layer in the backward pass).
+    got = exchange(xs, jnp.zeros_like(xs, shape=(cap, D)), send_at[me], sizes[me],
+                   recv_at[me], sizes[:, me], capacity=m * k)
     # (4) the local experts on their rows, grouped by expert.
     dest, group = _local_layout(per[:, me], cap)
     grouped = jnp.zeros_like(got).at[dest].set(got, mode="drop")
@@ -167,7 +171,7 @@ def moe(mesh, x: jax.Array, experts: jax.Array, gates: jax.Array,
       y = jax.lax.psum(y, shd.TENSOR)
     y = y[jnp.minimum(dest, cap - 1)]           # unused rows read garbage and are not sent
     # (5) return: the chunk from device s goes back to s's sorted pairs at send_at[s, me].
-    back = exchange(y, jnp.zeros((m * k, D), y.dtype), recv_at[:, me], sizes[:, me],
+    back = exchange(y, jnp.zeros_like(y, shape=(m * k, D)), recv_at[:, me], sizes[:, me],
                     send_at[:, me], sizes[me], capacity=m * k)
     pairs = jnp.zeros_like(back).at[order].set(back, unique_indices=True)   # token order
     return combine(pairs.reshape(m, k, D), gates)
