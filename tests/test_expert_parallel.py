@@ -60,6 +60,26 @@ def test_padded_exchange_follows_the_ragged_all_to_all_contract():
   np.testing.assert_array_equal(np.asarray(got), [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
+def test_megablox_matmul_equals_ragged_dot():
+  """The TPU grouped matmul (Pallas megablox, here in the interpreter) in the experts' SwiGLU
+  against ragged_dot: the grouped rows' outputs and every gradient, with rows past the groups
+  (which the layer never reads) and an empty group."""
+  layer = _model().layers[0].mlp
+  rng = np.random.default_rng(3)
+  sizes = jnp.asarray([7, 0, 12, 11], jnp.int32)                     # 30 rows of 40
+  xs = jnp.asarray(rng.standard_normal((40, 64)), jnp.float32)
+  w = [p[...][:4] for p in (layer.gate_proj, layer.up_proj, layer.down_proj)]
+  dy = jnp.asarray(rng.standard_normal((40, 64)), jnp.float32).at[30:].set(0.0)
+
+  def run(matmul):
+    y, vjp = jax.vjp(lambda xs, *w: layer.ffn(xs, sizes, *w, matmul=matmul), xs, *w)
+    dx, *dw = vjp(dy)
+    return y[:30], dx[:30], dw
+  want = jax.jit(lambda: run(None))()
+  got = jax.jit(lambda: run(expert_parallel.grouped_matmul("cpu", interpret=True)))()
+  _close(got, want)
+
+
 def _layer_and_grads(model, x, routing, key):
   """The first MoE layer on x [B, T, D] with jitter and a partly replayed routing: output and
   gradients with respect to x and every parameter of the layer."""

@@ -205,9 +205,10 @@ def platform_of(topology: str) -> str:
 
 
 def measure(program: programs_lib.Program, *, chip, devices_per_chip: int,
-            hlo_dir: str = "", mem_fraction: float = 1.0) -> dict:
+            hlo_dir: str = "", mem_fraction: float = 1.0, kernel_flops: float = 0.0) -> dict:
   """Compiles one program and returns its row of the report; it fits when its bytes stay
-  within `mem_fraction` of the chip's HBM (a GPU's jax preallocates a fraction of it)."""
+  within `mem_fraction` of the chip's HBM (a GPU's jax preallocates a fraction of it).
+  kernel_flops: FLOPs of kernels the compiled program's cost cannot see, added to it."""
   name = program.name
   hbm = int(chip.hbm_bytes * mem_fraction) // devices_per_chip
   peak = chip.peak_bf16_flops / devices_per_chip
@@ -250,6 +251,8 @@ def measure(program: programs_lib.Program, *, chip, devices_per_chip: int,
     with open(os.path.join(hlo_dir, f"{name}.hlo.txt"), "w") as f:
       f.write(text)
   cost = hlo_cost.hlo_text_cost(text, default_trips=program.loop_trips, xla=xla)
+  cost["flops"] += kernel_flops
+  cost["kernel_flops"] += kernel_flops
   row["collective_bytes"] = hlo_cost.collective_bytes(text, default_trips=program.loop_trips)
   row.update(flops=cost["flops"], bytes_accessed=cost["bytes_accessed"],
              kernel_flops=cost["kernel_flops"], xla_flops=cost["xla_flops"],
@@ -298,9 +301,13 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
   rows = []
   for name in programs or names:
     log(f"[aot] {name}: compiling ...")
+    moe = moe_analytic(c, s, s.programs[name])
+    # On TPU the experts' grouped matmuls are Mosaic kernels (expert_parallel.grouped_matmul),
+    # which XLA's cost analysis counts as 0 FLOPs: they are counted analytically.
     row = measure(s.programs[name], chip=chip, devices_per_chip=per_chip, hlo_dir=hlo_dir,
-                  mem_fraction=gpu_mem_fraction if platform == "gpu" else 1.0)
-    row["all_to_all_analytic_bytes"] = all_to_all_analytic(c, s, s.programs[name])
+                  mem_fraction=gpu_mem_fraction if platform == "gpu" else 1.0,
+                  kernel_flops=moe["grouped_matmul_flops"] if moe and platform == "tpu" else 0)
+    row["all_to_all_analytic_bytes"] = moe and moe["all_to_all_bytes"]
     log("[aot] " + describe(row))
     rows.append(row)
   fit = all(r["fits"] for r in rows)
@@ -339,29 +346,35 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
       "wall_s": round(time.time() - t0, 1)}
 
 
-def all_to_all_analytic(c: ml_collections.ConfigDict, s: Setup,
-                        program: programs_lib.Program) -> Optional[float]:
-  """Bytes one call of `program` moves per device through the MoE all-to-all, counted
-  analytically: every MoE pass sends each token's k pairs of D values to their experts and
-  gets them back (tokens x k x D x bytes x 2), the tokens split over the mesh's batch shards;
-  the update's passes are forward and backward (and the recomputed forward with
-  model.remat), the sampler's tokens its prefill and every row decoding max_new_tokens.
-  None without expert parallelism (mesh.expert = 1 or a dense model)."""
+def moe_analytic(c: ml_collections.ConfigDict, s: Setup,
+                 program: programs_lib.Program) -> Optional[dict]:
+  """One call of `program`'s expert-parallel MoE work per device, counted analytically with
+  balanced routing; None without expert parallelism (mesh.expert = 1 or a dense model).
+
+  Every MoE pass routes each token's k pairs: the all-to-all sends D values per pair to its
+  expert and back (`all_to_all_bytes`: tokens x k x D x bytes x 2), and the grouped SwiGLU
+  runs 3 matmuls of 2 x D x F FLOPs per pair (`grouped_matmul_flops`; a backward pass twice
+  that). The tokens are split over the mesh's batch shards; the update's passes are forward
+  and backward (plus the recomputed forward with model.remat), the sampler's tokens its
+  prefill and every row decoding max_new_tokens."""
   mesh, mcfg = program.mesh, s.mcfg
   if not mcfg.num_experts or dict(mesh.shape).get(shd.EXPERT, 1) == 1:
     return None
   n_moe = sum(mcfg.is_moe_layer(l) for l in range(mcfg.num_layers))
   if program.name in ("score", "update"):
     tokens = math.prod(program.args[-1].tokens.shape)
-    passes = 1 if program.name == "score" else 3 if mcfg.remat else 2
+    fwd, bwd = (1, 0) if program.name == "score" else (1 + mcfg.remat, 1)
     dtype = programs_lib.DTYPES[c.model.dtype]
   else:   # a sampler: prefill once per group of rows sharing a prompt, then R - 1 steps
     rows, P = program.args[1].shape
     group = c.rl.group_size if program.name == "rollout" else 1
-    tokens, passes = rows // group * P + rows * (s.R - 1), 1
+    tokens, fwd, bwd = rows // group * P + rows * (s.R - 1), 1, 0
     dtype = programs_lib.DTYPES[c.rollout.dtype if program.name == "rollout" else c.model.dtype]
-  return (tokens / shd.batch_shards(mesh) * mcfg.num_experts_per_tok * mcfg.hidden_size *
-          jnp.dtype(dtype).itemsize * 2 * n_moe * passes)
+  pairs = tokens / shd.batch_shards(mesh) * mcfg.num_experts_per_tok * n_moe
+  return {"all_to_all_bytes": pairs * mcfg.hidden_size * jnp.dtype(dtype).itemsize * 2 *
+                              (fwd + bwd),
+          "grouped_matmul_flops": pairs * 3 * 2 * mcfg.hidden_size *
+                                  mcfg.moe_intermediate_size * (fwd + 2 * bwd)}
 
 
 def describe(row: dict) -> str:

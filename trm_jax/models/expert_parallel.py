@@ -21,8 +21,8 @@ Per device and layer:
   (3) dispatch: a ragged all-to-all into a receive buffer of n * m * k rows, each source's
       chunk ordered by local expert;
   (4) the received rows regrouped by local expert (a counting sort, no `argsort`), the
-      grouped SwiGLU (`ffn`: three `ragged_dot`s over E_loc groups), partial sums over F added
-      over `tensor` when F is split, rows put back;
+      grouped SwiGLU (`ffn`: three grouped matmuls over E_loc groups, `grouped_matmul`),
+      partial sums over F added over `tensor` when F is split, rows put back;
   (5) return: the reverse ragged all-to-all lands every result where its pair left;
   (6) pairs back in token order, weighted by their gates and summed (`combine`).
 
@@ -83,6 +83,36 @@ def ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_
   return output.at[put.reshape(-1)].set(got.reshape(-1, *got.shape[2:]), mode="drop")
 
 
+# Megablox tiles (rows, contracted, output dimension): rows are padded to a multiple of the
+# first; the others are capped at their dimension (a block as large as the dimension is legal).
+GMM_TILING = (512, 1024, 1024)
+
+
+def grouped_matmul(platform: Optional[str], interpret: bool = False) -> Optional[Callable]:
+  """The grouped matmul (a [R, K], w [G, K, N], sizes [G], out dtype) -> [R, N] for
+  `platform`: on TPU the Pallas megablox `gmm` (its backward a `tgmm` over each group's own
+  rows), which compiles smaller than `jax.lax.ragged_dot` there, whose weight gradient XLA:TPU
+  computes over every group's rows (bench/moe_gmm_aot.py); None elsewhere (`ragged_dot`).
+  Rows past the groups are left unwritten (`ragged_dot` writes 0): the layer never reads
+  them. interpret: run the kernel in the Pallas interpreter (tests on CPU)."""
+  if platform != "tpu" and not interpret:
+    return None
+  from jax.experimental.pallas.ops.tpu.megablox import gmm  # pylint: disable=g-import-not-at-top
+
+  def matmul(a, w, sizes, dtype):
+    R, K = a.shape
+    tm, tk, tn = GMM_TILING
+    pad = -R % tm
+    out = gmm(jnp.pad(a, ((0, pad), (0, 0))), w, sizes, dtype,
+              (tm, min(tk, K), min(tn, w.shape[2])), interpret=interpret)
+    return out[:R]
+  return matmul
+
+
+def _platform(mesh) -> Optional[str]:
+  return None if mesh.abstract_device is None else mesh.abstract_device.platform
+
+
 def _transport(platform: Optional[str]):
   if platform in ("tpu", "gpu", "cuda", "rocm"):
     return lambda *a, capacity: jax.lax.ragged_all_to_all(*a, axis_name=shd.EXPERT)
@@ -118,8 +148,9 @@ def moe(mesh, x: jax.Array, experts: jax.Array, gates: jax.Array,
 
   x [M, D] (compute dtype), experts [M, k] int32 (each in [0, E)), gates [M, k] fp32;
   params the expert weights, E first (gate, up, down), with their logical axes;
-  ffn(rows [R, D], group_sizes [G], *weights of G experts) -> [R, D] (rows past the groups
-  are never read); combine(pairs [m, k, D], gates [m, k]) -> [m, D]. Returns [M, D], equal
+  ffn(rows [R, D], group_sizes [G], *weights of G experts, matmul=`grouped_matmul`'s) ->
+  [R, D] (rows past the groups are never read); combine(pairs [m, k, D], gates [m, k]) ->
+  [m, D]. Returns [M, D], equal
   to running `ffn` on every pair where its token is (the module docstring says how).
   """
   M, D = x.shape
@@ -140,8 +171,8 @@ def moe(mesh, x: jax.Array, experts: jax.Array, gates: jax.Array,
   param_specs = tuple(shd.spec_for(a, shape=p.shape, mesh=mesh, rules=_EXPERT_RULES)
                       for p, a in zip(params, param_axes))
   f_split = any(shd.TENSOR in tuple(s) for s in param_specs)   # (a size-1 axis: a no-op)
-  exchange = _transport(None if mesh.abstract_device is None else
-                        mesh.abstract_device.platform)
+  exchange = _transport(_platform(mesh))
+  matmul = grouped_matmul(_platform(mesh))
 
   def local(x, experts, gates, *weights):
     m = x.shape[0]
@@ -166,7 +197,7 @@ def moe(mesh, x: jax.Array, experts: jax.Array, gates: jax.Array,
     # (4) the local experts on their rows, grouped by expert.
     dest, group = _local_layout(per[:, me], cap)
     grouped = jnp.zeros_like(got).at[dest].set(got, mode="drop")
-    y = ffn(grouped, group, *weights)
+    y = ffn(grouped, group, *weights, matmul=matmul)
     if f_split:
       y = jax.lax.psum(y, shd.TENSOR)
     y = y[jnp.minimum(dest, cap - 1)]           # unused rows read garbage and are not sent

@@ -390,12 +390,16 @@ class MoE(nnx.Module):
     return y, Route(chosen=experts.reshape(B, T, k), own=own.reshape(B, T, k))
 
   def ffn(self, xs: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array,
-          down: jax.Array, *, inference: bool = False) -> jax.Array:
+          down: jax.Array, *, inference: bool = False, matmul=None) -> jax.Array:
     """The experts' SwiGLU on rows grouped by expert: xs [R, D], sizes [G] rows per expert,
-    the G experts' weights -> [R, D] (rows past sum(sizes) give 0). inference: see `project`."""
+    the G experts' weights -> [R, D] (rows past sum(sizes): 0 from ragged_dot, unwritten by
+    a kernel; never read). inference: see `project`. matmul: a grouped matmul (a, w, sizes, out dtype) -> [R, N] to run instead of
+    `jax.lax.ragged_dot` (`expert_parallel.grouped_matmul`)."""
     dt = self.cfg.compute_dtype
 
     def grouped(a, w):
+      if matmul is not None:
+        return matmul(a, w.astype(dt), sizes, jnp.float32 if inference else dt).astype(dt)
       if not inference:
         return jax.lax.ragged_dot(a, w.astype(dt), sizes)
       return jax.lax.ragged_dot(a, w.astype(dt), sizes,
