@@ -64,6 +64,9 @@ def get_config(arg=None):
                                    #   adapters: A random, B zero, i.e. the base itself)
   c.model.lora.export = "adapter"  # workdir/hf at the end: "adapter" (PEFT: adapter_config.json
                                    #   + adapter_model.safetensors) or "merged" (a full model)
+  c.model.moe_chunk = 4096         # MoE with mesh.expert > 1: tokens per device per all-to-all
+                                   #   (each chunk's receive buffer holds mesh.expert x chunk x
+                                   #   top-k rows); more tokens are sent chunk by chunk
   c.model.arch = ml_collections.ConfigDict(dict(  # only used to build the warm-up model
       hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
       tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=512))

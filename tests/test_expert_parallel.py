@@ -1,7 +1,7 @@
 """Expert parallelism (`mesh.expert`): with the experts split over 2, 4 and 8 simulated CPU
 devices, every result equals the replicated layout's to fp32 rounding: the MoE layer's output
-and gradients (router jitter, partly replayed routing, bf16), the decoder's logits, routing
-and gradients under remat, a rollout's tokens, log-probs and recorded experts, the learner's
+and gradients (router jitter, partly replayed routing, bf16, tokens sent in chunks), the
+decoder's logits, routing and gradients under remat, a rollout's tokens, log-probs and recorded experts, the learner's
 replayed log-probs, and two trainer steps' metrics (rollout, score, update).
 
 The model's weights are drawn N(0, 0.15^2) (as in test_routing_replay) so that router
@@ -123,7 +123,8 @@ def test_layer_and_decoder_equal_the_replicated_layout(sizes):
   model = _model(remat=True)
   want_layer, want_dec = layer(model, x, routing, key), decoder(model, tokens, vis, key)
   mesh = shd.make_mesh(sizes)
-  sharded = shd.shard_model(_model(remat=True), mesh)
+  # 2 tokens per exchange: every device (3 or 6 tokens) sends its tokens in chunks.
+  sharded = shd.shard_model(_model(remat=True, moe_chunk=2), mesh)
   gate = sharded.layers[0].mlp.gate_proj[...]
   assert gate.sharding.spec[0] == shd.EXPERT
   assert {s.data.shape[0] for s in gate.addressable_shards} == {8 // sizes["expert"]}

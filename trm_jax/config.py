@@ -310,7 +310,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
            ["rl.max_staleness", "rl.staleness"],
            f"max_staleness={c.rl.max_staleness} would drop every rollout of staleness="
            f"{c.rl.staleness}; use -1 (no bound) or a value >= rl.staleness")
-  _positive_int(c, "total_steps", "log_every", "ckpt_every", "keep_ckpts", "rl.batch_size",
+  _positive_int(c, "model.moe_chunk", "total_steps", "log_every", "ckpt_every", "keep_ckpts", "rl.batch_size",
                 "rl.group_size", "rl.num_minibatches", "rl.num_microbatches",
                 "rl.num_epochs", "rl.chunk")
   _non_negative(c, "optim.lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",

@@ -220,7 +220,7 @@ def _run(c: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
   lead = jax.process_index() == 0  # writes metrics, plots, summary and the HF export
   # --- Model, tokenizer, task, learner --------------------------------------------------------
   model = from_pretrained(base, dtype=step_lib.DTYPES[c.model.dtype], remat=c.model.remat,
-                          mesh=mesh)
+                          moe_chunk=c.model.moe_chunk, mesh=mesh)
   model, base_record = add_adapters(c, model, base)
   tok = load_tokenizer(base)
   check_tokenizer_fits(tok, model.config.vocab_size)

@@ -171,7 +171,7 @@ def build(c: ml_collections.ConfigDict, hf: dict, devices: Sequence,
   c.model.attn_impl = impl = resolve_impl(c.model.attn_impl, platform)
   try:
     mcfg = ModelConfig.from_hf(hf, dtype=programs_lib.DTYPES[c.model.dtype],
-                               remat=c.model.remat)
+                               remat=c.model.remat, moe_chunk=c.model.moe_chunk)
   except ValueError as e:   # an unsupported or incomplete config.json: the user's input
     raise ConfigError(f"the model's config.json: {e}") from e
   mcfg = mcfg.replace(lora=programs_lib.lora_config(c))   # the trainer's add_adapters

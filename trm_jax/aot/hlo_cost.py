@@ -368,9 +368,11 @@ def collective_bytes(text: str, *, default_trips: Optional[int] = None) -> dict:
   comps, _, entry = _computations(text)
   cache: dict[str, dict] = {}
 
-  def shape_bytes(rhs: str) -> int:
-    result = rhs.split(" ", 1)[0] if not rhs.startswith("(") else rhs[:rhs.index(")") + 1]
-    return max((_nbytes(s) for s in re.findall(r"\w+\[[\d,]*\]", result)), default=0)
+  def buffers(rhs: str) -> list[int]:
+    """Bytes of each array of an instruction's result (an async start's tuple holds its
+    operands, then its result)."""
+    result = rhs.split(" ", 1)[0] if not rhs.startswith("(") else rhs[:rhs.rindex(")") + 1]
+    return [_nbytes(s) for s in re.findall(r"\w+\[[\d,]*\]", result)]
 
   def count(name: str) -> dict:
     if name in cache:
@@ -394,11 +396,15 @@ def collective_bytes(text: str, *, default_trips: Optional[int] = None) -> dict:
         continue
       m = _COLLECTIVE.match(line)
       if m:
-        nbytes = shape_bytes(m.group(1))
-        if m.group(2) == "ragged-all-to-all":
-          first = re.findall(r"%([\w.\-]+)", m.group(4))[:1]
-          if first and first[0] in defs:
-            nbytes = min(nbytes, shape_bytes(defs[first[0]]))
+        sizes = buffers(m.group(1))
+        nbytes = max(sizes, default=0)
+        if m.group(2) == "ragged-all-to-all":   # the smaller of input and output buffer
+          if m.group(3):
+            nbytes = min(sizes[:2])
+          else:
+            first = re.findall(r"%([\w.\-]+)", m.group(4))[:1]
+            if first and first[0] in defs:
+              nbytes = min(nbytes, max(buffers(defs[first[0]]), default=nbytes))
         add(m.group(2), nbytes)
         continue
       called = _CALLS.findall(line)

@@ -139,6 +139,8 @@ class ModelConfig:
   dtype: str = "float32"              # compute dtype of activations and matmuls
   param_dtype: str = "float32"        # storage dtype of parameters
   remat: bool = False                 # rematerialise each block in the backward pass
+  moe_chunk: int = 4096               # expert parallelism: tokens per device per all-to-all
+                                      #   (models/expert_parallel.py); bounds its buffers
   # Low-rank adapters over a frozen base (None = none: every parameter is trained); not part
   # of config.json (to_hf): an adapter is saved as a PEFT adapter or merged (hf_io).
   lora: Optional[LoraConfig] = None
@@ -195,7 +197,8 @@ class ModelConfig:
   # ------------------------------------------------------------------ HF config.json
   @classmethod
   def from_hf(cls, hf: Mapping[str, Any], *, dtype: Any = jnp.float32,
-              param_dtype: Optional[Any] = None, remat: bool = False) -> "ModelConfig":
+              param_dtype: Optional[Any] = None, remat: bool = False,
+              moe_chunk: int = 4096) -> "ModelConfig":
     """Parses a transformers `config.json` dict; raises a ValueError naming the key of any
     unsupported, mistyped or out-of-bounds value (`SIZE_LIMITS`), before anything is built."""
     model_type = hf.get("model_type")
@@ -267,7 +270,7 @@ class ModelConfig:
         pad_token_id=_token_ids(hf, "pad_token_id"),
         dtype=dtype_name(dtype),
         param_dtype=dtype_name(dtype if param_dtype is None else param_dtype),
-        remat=remat, **rope, **moe)
+        remat=remat, moe_chunk=moe_chunk, **rope, **moe)
 
   def to_hf(self) -> dict:
     """A `config.json` dict that transformers 5 loads into the same network."""

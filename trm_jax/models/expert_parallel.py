@@ -28,7 +28,9 @@ Per device and layer:
 
 No pair is dropped, whatever the routing: a device's receive buffer holds n * m * k rows, every
 pair the n devices of its expert group hold, so it cannot overflow. The price is memory: the
-buffer is n times the pairs a device sends (what MaxText's ragged dispatch allocates too).
+buffer is n times the pairs a device sends (what MaxText's ragged dispatch allocates too). A
+device with more than `chunk` (model.moe_chunk) tokens sends them chunk by chunk, one exchange
+each (a `lax.map`), so the buffers never exceed n * chunk * k rows.
 
 Transport: `jax.lax.ragged_all_to_all` on TPU and GPU. XLA:CPU cannot run it (jax 0.10.2:
 "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"), so on CPU the same
@@ -143,10 +145,12 @@ def _local_layout(mine: jax.Array, cap: int) -> tuple[jax.Array, jax.Array]:
 
 def moe(mesh, x: jax.Array, experts: jax.Array, gates: jax.Array,
         params: Sequence[jax.Array], param_axes: Sequence[Sequence[Optional[str]]], *,
-        ffn: Callable, combine: Callable) -> jax.Array:
+        ffn: Callable, combine: Callable, chunk: int) -> jax.Array:
   """An MoE layer's expert computation with its experts split over `mesh`'s expert axis.
 
   x [M, D] (compute dtype), experts [M, k] int32 (each in [0, E)), gates [M, k] fp32;
+  chunk: tokens per device per exchange (a device with more sends them chunk by chunk, so
+  its buffers hold n * chunk * k rows at most);
   params the expert weights, E first (gate, up, down), with their logical axes;
   ffn(rows [R, D], group_sizes [G], *weights of G experts, matmul=`grouped_matmul`'s) ->
   [R, D] (rows past the groups are never read); combine(pairs [m, k, D], gates [m, k]) ->
@@ -175,6 +179,17 @@ def moe(mesh, x: jax.Array, experts: jax.Array, gates: jax.Array,
   matmul = grouped_matmul(_platform(mesh))
 
   def local(x, experts, gates, *weights):
+    m = x.shape[0]
+    if m <= chunk:
+      return exchange_and_compute(x, experts, gates, *weights)
+    pad = -m % chunk   # tokens that choose no expert, as above
+    x = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, chunk, D)
+    experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=E).reshape(-1, chunk, k)
+    gates = jnp.pad(gates, ((0, pad), (0, 0))).reshape(-1, chunk, k)
+    out = jax.lax.map(lambda a: exchange_and_compute(*a, *weights), (x, experts, gates))
+    return out.reshape(-1, D)[:m]
+
+  def exchange_and_compute(x, experts, gates, *weights):
     m = x.shape[0]
     E_loc = weights[0].shape[0]
     me = jax.lax.axis_index(shd.EXPERT)

@@ -283,7 +283,8 @@ def _validate(ckpt: _Checkpoint, cfg: ModelConfig, entries: List[_Entry], shapes
 
 def from_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None,
                     mesh: Optional[jax.sharding.Mesh] = None,
-                    rules: Optional[shd.Rules] = None, remat: bool = False) -> Decoder:
+                    rules: Optional[shd.Rules] = None, remat: bool = False,
+                    moe_chunk: int = 4096) -> Decoder:
   """Loads a HF checkpoint directory into a `Decoder`.
 
   Args:
@@ -293,6 +294,7 @@ def from_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None,
       everything on jax.devices()[0].
     rules: logical-axis rules (default `sharding.DEFAULT_RULES`).
     remat: rematerialise each block in the backward pass.
+    moe_chunk: expert parallelism's tokens per device per all-to-all (`ModelConfig`).
   """
   path = os.fspath(path)
   if not os.path.isdir(path):
@@ -300,7 +302,8 @@ def from_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None,
   config_file = os.path.join(path, "config.json")
   hf_config = _read_json_file(config_file, "a Hugging Face checkpoint directory needs config.json")
   try:   # sizes, types and options, checked before anything is built
-    cfg = ModelConfig.from_hf(hf_config, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    cfg = ModelConfig.from_hf(hf_config, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                              moe_chunk=moe_chunk)
   except ValueError as e:
     raise CheckpointFileError(f"{config_file}: {e}") from None
   graphdef, state = nnx.split(abstract_model(Decoder, cfg))

@@ -377,7 +377,7 @@ class MoE(nnx.Module):
     if mesh is not None:   # experts split over mesh.expert: pairs travel to their experts
       y = expert_parallel.moe(mesh, xf, experts, weights, [p[...] for p in experts_w],
                               [shd.param_axes(p) for p in experts_w], ffn=ffn,
-                              combine=self.combine)
+                              combine=self.combine, chunk=cfg.moe_chunk)
     else:
       flat = experts.reshape(-1)                                         # [M*k]
       order = jnp.argsort(flat, stable=True)                             # sorted by expert
