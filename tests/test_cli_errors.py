@@ -277,8 +277,8 @@ def test_a_batch_the_mesh_does_not_divide_is_refused(checkpoint, gsm8k, tmp_path
     train.run(c, str(tmp_path / "w"), progress=False)
   assert str(e.value) == (
       "inconsistent config [rl.batch_size, mesh]: batch_size=12 does not split over the 8 "
-      "batch shards of the learner's mesh {data: 8, fsdp: 1, tensor: 1} (mesh.data x "
-      "mesh.fsdp); it would be replicated on every device. Use a multiple of 8")
+      "batch shards of the learner's mesh {data: 8, fsdp: 1, expert: 1, tensor: 1} (mesh.data "
+      "x mesh.fsdp x mesh.expert); it would be replicated on every device. Use a multiple of 8")
   c.rl.batch_size, c.rl.num_minibatches = 8, 2   # minibatches of 4 on 8 shards
   with pytest.raises(train.USER_ERRORS, match=r"\[rl.batch_size, rl.num_minibatches, mesh\]: "
                      "minibatch of 4 sequences"):
