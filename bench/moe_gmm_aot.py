@@ -1,17 +1,17 @@
 """The experts' grouped matmuls on one TPU chip, compiled ahead of time: `jax.lax.ragged_dot`
 (what `layers.MoE.ffn` runs) against the Pallas megablox grouped matmul (`gmm`), without a TPU.
 
-Under expert parallelism each chip runs its E_loc experts' SwiGLU (`layers.MoE.ffn`) on the
-rows it received (`models/expert_parallel.py`, step 4): rows [R, D] grouped by expert, R = n *
-m * k (the receive buffer; the rows past the groups are padding). At Qwen3-30B-A3B's expert shape (D =
-2048, F = 768, bf16) with 128 experts over mesh.expert = 8 (E_loc = 16, k = 8), for the
-buffers of the config's programs on v5p:4x4x4 (m tokens per chip: a decode step's 512 rows /
-64 chips, an update microbatch's 8 x 5120 / 64, the scoring pass's 512 x 5120 / 64), it
-compiles the forward and the forward + backward (a `jax.vjp` into the rows and the three
-weights) through libtpu with each implementation and records per-chip `memory_analysis()`
-bytes, compile time and the cost of the compiled program (`aot.hlo_cost`; XLA counts a
-Mosaic kernel as 0 FLOPs, so the kernel's FLOPs are given analytically beside: 3 matmuls of
-2 x rows x D x F forward, twice that backward).
+Under expert parallelism each chip runs its E_loc experts' SwiGLU (`layers.MoE.ffn`) on the rows
+it received (`models/expert_parallel.py`, step 4): rows [R, D] grouped by expert, R = n * m * k
+(the receive buffer; the rows past the groups are padding). At Qwen3-30B-A3B's expert shape (D =
+2048, F = 768, bf16) with 128 experts over mesh.expert = 8 (E_loc = 16, k = 8), for the buffers
+of the config's programs on v5p:4x4x4 (m tokens per chip: a decode step's 512 rows / 64 chips,
+an update microbatch's 8 x 5120 / 64, one exchange of the scoring pass's 512 x 5120 / 64, which
+sends them in chunks of model.moe_chunk = 4096), it compiles the forward and the forward +
+backward (a `jax.vjp` into the rows and the three weights) through libtpu with each
+implementation and records per-chip `memory_analysis()` bytes, compile time and the cost of the
+compiled program (`aot.hlo_cost`; XLA counts a Mosaic kernel as 0 FLOPs, so the kernel's FLOPs
+are given analytically beside: 3 matmuls of 2 x rows x D x F forward, twice that backward).
 
 The group sizes are an argument (data, as in the layer): the figures hold for any routing.
 Nothing runs, so this says which compiles smaller; which runs faster needs a TPU.
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from bench import hygiene
 from trm_jax.aot import hlo_cost
 from trm_jax.aot.tpu import compile_for_tpu, libtpu_available
 from trm_jax.models import ModelConfig, expert_parallel
@@ -41,7 +42,7 @@ from trm_jax.models.layers import MoE
 D, F, E, K, N_EXPERT = 2048, 768, 128, 8, 8   # Qwen3-30B-A3B's experts over mesh.expert=8
 E_LOC = E // N_EXPERT
 TOKENS_PER_CHIP = {"decode step": 512 // 64, "update microbatch": 8 * 5120 // 64,
-                   "scoring pass": 512 * 5120 // 64}
+                   "scoring pass": 4096}   # 512 x 5120 / 64 in chunks of model.moe_chunk
 
 
 def _ffn(impl: str):
@@ -115,10 +116,7 @@ def main(argv=None):
                    "mesh_expert": N_EXPERT, "dtype": "bfloat16",
                    "megablox_tiling": expert_parallel.GMM_TILING},
          "rows": out_rows}
-  os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-  with open(a.out, "w") as f:
-    json.dump(out, f, indent=2)
-  print(f"wrote {a.out}")
+  hygiene.write_json(out, a.out)
 
 
 if __name__ == "__main__":

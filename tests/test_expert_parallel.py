@@ -1,8 +1,9 @@
 """Expert parallelism (`mesh.expert`): with the experts split over 2, 4 and 8 simulated CPU
 devices, every result equals the replicated layout's to fp32 rounding: the MoE layer's output
 and gradients (router jitter, partly replayed routing, bf16, tokens sent in chunks), the
-decoder's logits, routing and gradients under remat, a rollout's tokens, log-probs and recorded experts, the learner's
-replayed log-probs, and two trainer steps' metrics (rollout, score, update).
+decoder's logits, routing and gradients under remat, a rollout's tokens, log-probs and
+recorded experts, the learner's replayed log-probs, and two trainer steps' metrics (rollout,
+score, update).
 
 The model's weights are drawn N(0, 0.15^2) (as in test_routing_replay) so that router
 probabilities are far apart: a top-k near-tie could flip on a rounding difference between

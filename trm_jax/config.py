@@ -246,9 +246,9 @@ def validate_task(t: ml_collections.ConfigDict) -> None:
 
 def check_batch_mesh(c: ml_collections.ConfigDict, mesh, sampler_mesh=None) -> None:
   """The rollout batch and each minibatch split evenly over the mesh axes that shard a batch
-  (`sharding.batch_shards`: data x fsdp x expert). Otherwise `sharding.put_batch` replicates them and
-  every device computes every row, silently. For every consumer of the trainer's meshes (the
-  trainer calls it right after building them; AOT compilation should too)."""
+  (`sharding.batch_shards`: data x fsdp x expert). Otherwise `sharding.put_batch` replicates
+  them and every device computes every row, silently. For every consumer of the trainer's
+  meshes (the trainer calls it right after building them; AOT compilation should too)."""
   from trm_jax import sharding as shd  # pylint: disable=g-import-not-at-top
   r = c.rl
   mb = r.batch_size // r.num_minibatches
@@ -310,8 +310,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
            ["rl.max_staleness", "rl.staleness"],
            f"max_staleness={c.rl.max_staleness} would drop every rollout of staleness="
            f"{c.rl.staleness}; use -1 (no bound) or a value >= rl.staleness")
-  _positive_int(c, "model.moe_chunk", "total_steps", "log_every", "ckpt_every", "keep_ckpts", "rl.batch_size",
-                "rl.group_size", "rl.num_minibatches", "rl.num_microbatches",
+  _positive_int(c, "model.moe_chunk", "total_steps", "log_every", "ckpt_every", "keep_ckpts",
+                "rl.batch_size", "rl.group_size", "rl.num_minibatches", "rl.num_microbatches",
                 "rl.num_epochs", "rl.chunk")
   _non_negative(c, "optim.lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
                 "optim.min_lr_ratio", "rl.kl_beta", "rl.max_consecutive_skips",

@@ -16,9 +16,9 @@ Artifacts in --workdir: config.json, metrics.jsonl, tb/, ckpt/, curves.png, summ
 Scale and faults:
   * Mesh (`config.mesh`, axes data/fsdp/expert/tensor, one -1 = remaining devices): the model
     loads sharded by its logical axes (an MoE model's experts over `expert`), the optimizer
-    state mirrors the parameter shardings, batches are split over (data, fsdp, expert). The sampler runs on the same sharded parameters, or with
-    mesh.rollout_devices = n on the first n devices with a copy in its dtype per rollout
-    (`step.to_sampler`).
+    state mirrors the parameter shardings, batches are split over (data, fsdp, expert). The
+    sampler runs on the same sharded parameters, or with mesh.rollout_devices = n on the
+    first n devices with a copy in its dtype per rollout (`step.to_sampler`).
   * Multi-process: `init_distributed()` (CLI; `trm_jax.distributed`) calls
     `jax.distributed.initialize` from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
     JAX_PROCESS_ID when they are set, else from the cluster JAX detects (a SLURM step, Open MPI,

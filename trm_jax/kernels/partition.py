@@ -13,9 +13,9 @@ device's block of rows and heads:
 
 with the batch and head mesh axes taken from the same logical-axis rules as the model's
 activations (`sharding.spec_for`: batch over data x fsdp x expert, heads over tensor, an axis
-that does not divide its dimension replicated). Query heads follow their kv heads: a device holding kv
-heads [k0, k1) holds query heads [k0 * G, k1 * G), which is exactly what contiguous sharding
-of N = G * K by the same axes gives.
+that does not divide its dimension replicated). Query heads follow their kv heads: a device
+holding kv heads [k0, k1) holds query heads [k0 * G, k1 * G), which is exactly what
+contiguous sharding of N = G * K by the same axes gives.
 
 The length axis is never split (that would need ring attention): the specs below give T no
 mesh axis whatever the rules say, so an input whose T is sharded is gathered by XLA for the

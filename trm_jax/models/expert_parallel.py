@@ -154,8 +154,8 @@ def moe(mesh, x: jax.Array, experts: jax.Array, gates: jax.Array,
   params the expert weights, E first (gate, up, down), with their logical axes;
   ffn(rows [R, D], group_sizes [G], *weights of G experts, matmul=`grouped_matmul`'s) ->
   [R, D] (rows past the groups are never read); combine(pairs [m, k, D], gates [m, k]) ->
-  [m, D]. Returns [M, D], equal
-  to running `ffn` on every pair where its token is (the module docstring says how).
+  [m, D]. Returns [M, D], equal to running `ffn` on every pair where its token is (the
+  module docstring says how).
   """
   M, D = x.shape
   k = experts.shape[1]

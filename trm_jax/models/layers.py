@@ -393,8 +393,9 @@ class MoE(nnx.Module):
           down: jax.Array, *, inference: bool = False, matmul=None) -> jax.Array:
     """The experts' SwiGLU on rows grouped by expert: xs [R, D], sizes [G] rows per expert,
     the G experts' weights -> [R, D] (rows past sum(sizes): 0 from ragged_dot, unwritten by
-    a kernel; never read). inference: see `project`. matmul: a grouped matmul (a, w, sizes, out dtype) -> [R, N] to run instead of
-    `jax.lax.ragged_dot` (`expert_parallel.grouped_matmul`)."""
+    a kernel; never read). inference: see `project`. matmul: a grouped matmul (a, w, sizes,
+    out dtype) -> [R, N] to run instead of `jax.lax.ragged_dot`
+    (`expert_parallel.grouped_matmul`)."""
     dt = self.cfg.compute_dtype
 
     def grouped(a, w):
