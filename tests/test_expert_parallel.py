@@ -153,6 +153,21 @@ def test_bf16_layer_equals_the_replicated_layout():
   _close(got[1], want[1], rtol=2e-2, atol=2e-2)
 
 
+def test_layer_with_the_tpu_grouped_matmul_equals_the_replicated_layout(monkeypatch):
+  """The TPU composition, the megablox kernel (in the Pallas interpreter) inside the layer's
+  shard_map over 4 devices: output and gradients as the replicated layout's."""
+  grouped_matmul = expert_parallel.grouped_matmul
+  monkeypatch.setattr(expert_parallel, "grouped_matmul",
+                      lambda platform: grouped_matmul(platform, interpret=True))
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((4, 6, 64)), jnp.float32)
+  layer = jax.jit(_layer_and_grads)
+  want = layer(_model(), x, None, jax.random.key(0))
+  mesh = shd.make_mesh({"expert": 4}, jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    got = layer(shd.shard_model(_model(), mesh), x, None, jax.random.key(0))
+  _close(got, want)
+
+
 def _train(sizes, steps: int = 2):
   """`steps` trainer steps (trm_jax.step) of the MoE model with router jitter and routing
   replay on the 8-device mesh `sizes`: (the first rollout, the score pass's replayed

@@ -204,9 +204,6 @@ def moe(mesh, x: jax.Array, experts: jax.Array, gates: jax.Array,
     recv_at = _exclusive_cumsum(sizes, 0)   # its offset in its destination's receive buffer
     cap = n * m * k
     # (3) dispatch: this device's chunk for device j goes to j's buffer at recv_at[me, j].
-    # The receive buffers are made like the rows they receive (zeros_like: varying over the
-    # same axes), else their tangents' transpose sums them over the mesh (an all-reduce of
-    # the whole buffer per layer in the backward pass).
     got = exchange(xs, jnp.zeros_like(xs, shape=(cap, D)), send_at[me], sizes[me],
                    recv_at[me], sizes[:, me], capacity=m * k)
     # (4) the local experts on their rows, grouped by expert.
@@ -222,7 +219,10 @@ def moe(mesh, x: jax.Array, experts: jax.Array, gates: jax.Array,
     pairs = jnp.zeros_like(back).at[order].set(back, unique_indices=True)   # token order
     return combine(pairs.reshape(m, k, D), gates)
 
+  # check_vma=False: the megablox kernel's pallas_call carries no varying-axes annotations
+  # (as the attention kernels', kernels/partition.py). The transpose then sums each weight's
+  # gradient over the axes its spec leaves out (data, fsdp) itself.
   out = jax.shard_map(local, mesh=mesh,
                       in_specs=(token_spec, token_spec, token_spec, *param_specs),
-                      out_specs=token_spec)(x, experts, gates, *params)
+                      out_specs=token_spec, check_vma=False)(x, experts, gates, *params)
   return out[:M]
