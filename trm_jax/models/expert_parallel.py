@@ -121,6 +121,19 @@ def _transport(platform: Optional[str]):
   return functools.partial(ragged_all_to_all_padded, axis_name=shd.EXPERT)
 
 
+def _axes(entry) -> tuple:
+  """The mesh axes of one PartitionSpec entry."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _gather(w: jax.Array, gathers) -> jax.Array:
+  """w with each dimension d gathered over its mesh axes in `gathers` ((d, axes), ...)."""
+  for d, axes in gathers:
+    if axes:
+      w = jax.lax.all_gather(w, axes, axis=d, tiled=True)
+  return w
+
+
 def _local_layout(mine: jax.Array, cap: int) -> tuple[jax.Array, jax.Array]:
   """Where each received row goes when the rows are regrouped by local expert.
 
@@ -172,13 +185,20 @@ def moe(mesh, x: jax.Array, experts: jax.Array, gates: jax.Array,
     experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=E)
     gates = jnp.pad(gates, ((0, pad), (0, 0)))
   token_spec = PartitionSpec(batch_axes, None)
-  param_specs = tuple(shd.spec_for(a, shape=p.shape, mesh=mesh, rules=_EXPERT_RULES)
-                      for p, a in zip(params, param_axes))
-  f_split = any(shd.TENSOR in tuple(s) for s in param_specs)   # (a size-1 axis: a no-op)
+  # Each weight enters as it is stored (E over expert, D over fsdp, F over tensor) and is
+  # gathered inside over every axis but expert and tensor: the gather's transpose is then a
+  # reduce-scatter of the weight's gradient, as FSDP does, not an all-reduce of it.
+  param_specs = [shd.spec_for(a, shape=p.shape, mesh=mesh) for p, a in zip(params, param_axes)]
+  kept = [shd.spec_for(a, shape=p.shape, mesh=mesh, rules=_EXPERT_RULES)
+          for p, a in zip(params, param_axes)]
+  gathers = [[(d, tuple(a for a in _axes(s) if a not in _axes(k))) for d, (s, k) in
+              enumerate(zip(stored, keep))] for stored, keep in zip(param_specs, kept)]
+  f_split = any(shd.TENSOR in _axes(e) for k in kept for e in k)   # (size 1: a no-op)
   exchange = _transport(_platform(mesh))
   matmul = grouped_matmul(_platform(mesh))
 
   def local(x, experts, gates, *weights):
+    weights = [_gather(w, g) for w, g in zip(weights, gathers)]
     m = x.shape[0]
     if m <= chunk:
       return exchange_and_compute(x, experts, gates, *weights)
