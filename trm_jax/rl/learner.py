@@ -178,11 +178,13 @@ def _score(model: CausalLM, batch: LearnerBatch, cfg: LearnerConfig, P: int):
   """The scoring pass, (1)-(4) of the module docstring: (logp [B, T], token weights [B, T],
   sequence mask [B], metrics)."""
   terms, routing = _forward(model, batch, cfg, with_teacher=False, with_routing=True)
-  return _score_terms(terms, routing, batch, cfg, P)
+  return _score_terms(terms, routing, batch, cfg, P, model.config.num_experts)
 
 
-def _score_terms(terms: dict, routing, batch: LearnerBatch, cfg: LearnerConfig, P: int):
-  """(2)-(4) of the scoring pass from the forward's token terms (gradients stopped here)."""
+def _score_terms(terms: dict, routing, batch: LearnerBatch, cfg: LearnerConfig, P: int,
+                 num_experts: int):
+  """(2)-(4) of the scoring pass from the forward's token terms (gradients stopped here);
+  num_experts: the model's (an MoE model's routing is counted per expert)."""
   terms = jax.tree.map(jax.lax.stop_gradient, terms)
   logp = terms["logp"]
   seq_mask, _, metrics = _trm_mask(cfg, terms, batch)
@@ -199,7 +201,7 @@ def _score_terms(terms: dict, routing, batch: LearnerBatch, cfg: LearnerConfig, 
   metrics["learner/k3_mean"] = jnp.sum(trm.k3(log_rho_r) * mask_r) / n_tok
   if routing is not None:   # an MoE model: the experts that ran on the batch's tokens
     metrics["moe/expert_load_max_over_mean"] = expert_load_max_over_mean(
-        routing.chosen, batch.segment_ids, model.config.num_experts)
+        routing.chosen, batch.segment_ids, num_experts)
   if batch.routed_experts is not None:
     metrics["moe/replay_flip_rate"] = replay_flip_rate(routing, batch.routed_experts,
                                                        batch.segment_ids)
@@ -341,7 +343,8 @@ def make_score_update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
   def loss(params, rest, batch, rewards, norm):
     model = nnx.merge(graphdef, params, rest)
     terms, routing = _forward(model, batch, cfg, with_teacher=_distills(cfg), with_routing=True)
-    logp_old, weights, seq_mask, score_metrics = _score_terms(terms, routing, batch, cfg, P)
+    logp_old, weights, seq_mask, score_metrics = _score_terms(terms, routing, batch, cfg, P,
+                                                              model.config.num_experts)
     mb = batch.replace(logp_old=logp_old, token_weights=weights,
                        advantages=advantages(rewards, seq_mask=seq_mask))
     if mode.ratio_to_learner:
