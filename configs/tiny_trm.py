@@ -86,7 +86,8 @@ def get_config(arg=None):
 
   # Task
   c.task = ml_collections.ConfigDict()
-  c.task.name = "synthetic"        # synthetic | gsm8k | dapo_math | aime
+  c.task.name = "synthetic"        # a registered task (trm_jax/data/tasks.py): synthetic |
+                                   #   gsm8k | dapo_math | aime | tldr | govreport | hotpotqa
   c.task.path = ""                 # training data of the file-based tasks: a local
                                    #   jsonl/json/parquet file, a save_to_disk directory, or
                                    #   a Hugging Face dataset id (trm_jax/data/loaders.py)
@@ -102,8 +103,9 @@ def get_config(arg=None):
   c.task.eval_split = ""           # held-out split: of task.eval_path, or with eval_path ""
                                    #   another split of task.path ("test"); "" = the only
                                    #   one, or held-out rows as above
-  c.task.eval_name = ""            # format of eval_path: gsm8k | dapo_math | aime; "" = the
-                                   #   same as task.name (dapo_math training, aime evaluation)
+  c.task.eval_name = ""            # format of eval_path, a task that reads files (its reward
+                                   #   and metrics score the held-out rows); "" = the same
+                                   #   as task.name (dapo_math training, aime evaluation)
   c.task.synthetic = ml_collections.ConfigDict(dict(
       min_operands=2, max_operands=6, min_value=1, max_value=19, allow_subtraction=False,
       show_every=1, answer_format="####", filler=0, distinct=False))
@@ -111,6 +113,9 @@ def get_config(arg=None):
                                    #   chat-formatted prompt); file tasks must set it
   c.task.max_new_tokens = 0        # 0 = derived from the synthetic task (its longest
                                    #   solution + <eos>); file tasks must set it
+  c.task.drop_long_prompts = False  # True: rows whose prompt is longer than max_prompt_len
+                                   #   are left out (counted in the log); False: an error
+                                   #   naming the row
 
   # Rollout
   c.rollout = ml_collections.ConfigDict()

@@ -311,7 +311,7 @@ def _resume(ckpt_dir, state, config_json, data, **kw):
 def test_resume_on_changed_data_is_refused_naming_the_path(tmp_path):
   """Issue 22, item 3: the same path, other rows and answers."""
   from trm_jax.data import fingerprint  # pylint: disable=g-import-not-at-top
-  from trm_jax.data.loaders import load_problems  # pylint: disable=g-import-not-at-top
+  from trm_jax.data import load_problems  # pylint: disable=g-import-not-at-top
   data = tmp_path / "train.jsonl"
   rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(6)]
   data.write_text("".join(json.dumps(r) + "\n" for r in rows))

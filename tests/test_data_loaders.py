@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trm_jax.data.loaders import DEFAULT_INSTRUCTION, DataFileError, load_problems
+from trm_jax.data import DEFAULT_INSTRUCTION, DataFileError, load_problems
 from trm_jax.data.rewards import math_reward
 
 GSM8K = [
@@ -111,8 +111,10 @@ def test_errors_name_the_file_and_column(tmp_path):
   csv.write_text("a,b\n")
   with pytest.raises(ValueError, match="unsupported extension '.csv'"):
     load_problems("gsm8k", str(csv))
-  with pytest.raises(ValueError, match="unknown problem source 'math500'"):
+  with pytest.raises(ValueError, match=r"task must be one of \[.*'gsm8k'.*\], got 'math500'"):
     load_problems("math500", bad)
+  with pytest.raises(ValueError, match="task 'synthetic' generates its problems"):
+    load_problems("synthetic", bad)
 
 
 def _raises(kind, path, message, **kw):

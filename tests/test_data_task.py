@@ -14,7 +14,7 @@ from trm_jax import config as config_lib
 from trm_jax.data import fingerprint
 from trm_jax.data import synthetic
 from trm_jax.data.batching import make_prompt_batch
-from trm_jax.data.loaders import DataFileError
+from trm_jax.data import DataFileError
 from trm_jax.data.task import Task, holdout_split
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +48,7 @@ def test_derived_sizes_of_the_tiny_configs_are_unchanged(tok, name, P, R):
   6 template tokens, solution chars + <eos>), so the tiny runs compile the same shapes."""
   c = config_lib.load_config(os.path.join(ROOT, "configs", name))
   task = Task(c.task, c.seed, tok, c.eval_problems)
-  syn = config_lib.synthetic_config(c.task.synthetic)
+  syn = synthetic.from_config(c.task.synthetic)
   assert (task.max_prompt_len, task.max_new_tokens) == (P, R)
   assert (P, R) == (synthetic.max_prompt_chars(syn) + 6, synthetic.max_completion_chars(syn) + 1)
 
@@ -71,7 +71,7 @@ def test_longest_synthetic_prompt_fits_exactly(tok, syn):
   solution plus <eos> fits max_new_tokens."""
   task = Task(_task_config(synthetic=syn), 0, tok, 4)
   P, R = task.max_prompt_len, task.max_new_tokens
-  cfg = task.synthetic
+  cfg = task.settings
   assert dataclasses.asdict(cfg) == syn
   worst = synthetic.longest_prompt_problem(cfg)
   pb = task.prompts([worst], 1)
@@ -97,7 +97,7 @@ def test_config_lengths_override_derivation(tok):
 def test_synthetic_streams(tok):
   """Training draws stream `seed` by data position, evaluation stream `seed + 2`."""
   task = Task(_task_config(), 7, tok, 4)
-  cfg = task.synthetic
+  cfg = task.settings
   assert task.batch(5, 3) == synthetic.problem_batch(cfg, 7, 5, 3)
   assert task.eval_problems(4) == synthetic.problem_batch(cfg, 9, 0, 4)
   assert task.eval_problems(4) == task.eval_problems(4)
@@ -168,7 +168,7 @@ def test_file_task_config_errors(tok, tmp_path):
   with pytest.raises(config_lib.ConfigError,
                      match="needs task.max_prompt_len and task.max_new_tokens"):
     Task(_task_config(name="gsm8k", path=path, max_new_tokens=8), 0, tok, 0)
-  with pytest.raises(config_lib.ConfigError, match=r"\[task.eval_name\]: unknown value 'math500'; expected one of '', 'gsm8k'"):
+  with pytest.raises(config_lib.ConfigError, match=r"\[task.eval_name\]: unknown value 'math500'; expected '' or a task that reads files: 'aime', 'dapo_math'"):
     Task(_task_config(name="gsm8k", path=path, eval_name="math500", max_prompt_len=400,
                       max_new_tokens=8), 0, tok, 0)
   with pytest.raises(config_lib.ConfigError,
@@ -176,7 +176,7 @@ def test_file_task_config_errors(tok, tmp_path):
                            "empty"):
     Task(_task_config(name="gsm8k", path=path, eval_name="aime", max_prompt_len=400,
                       max_new_tokens=8), 0, tok, 0)
-  with pytest.raises(config_lib.ConfigError, match=r"\[task.name\]: unknown value 'math500'; expected one of 'synthetic'"):
+  with pytest.raises(config_lib.ConfigError, match=r"\[task.name\]: unknown value 'math500'; expected one of 'aime', 'dapo_math', 'govreport'"):
     Task(_task_config(name="math500", path=path), 0, tok, 0)
 
 
@@ -213,7 +213,7 @@ def test_held_out_split_of_a_dataset(tok, tmp_path):
   with pytest.raises(config_lib.ConfigError, match="task.eval_subset='main' selects within "
                                                    "task.eval_path, which is empty"):
     Task(_task_config(eval_subset="main", **kw), 0, tok, 2)
-  with pytest.raises(config_lib.ConfigError, match="the synthetic task reads no dataset"):
+  with pytest.raises(config_lib.ConfigError, match="task.name=.synthetic. reads no dataset"):
     Task(_task_config(split="train"), 0, tok, 2)
 
 
@@ -227,7 +227,37 @@ def test_a_prompt_longer_than_max_prompt_len_names_the_file_and_row(tok, tmp_pat
   with pytest.raises(DataFileError) as e:   # a user error: the CLI prints this one line
     task.check_prompts(eval_problems=0)
   assert str(e.value) == (f"{path}, problem train.jsonl:4: the prompt is 203 tokens, more than "
-                          "task.max_prompt_len=120; raise it (or drop the row)")
+                          "task.max_prompt_len=120; raise it (or drop the row, or set "
+                          "task.drop_long_prompts)")
+
+
+def test_drop_long_prompts_leaves_out_the_rows_that_do_not_fit(tok, tmp_path, caplog):
+  """task.drop_long_prompts: a training row and a held-out row too long for max_prompt_len
+  are left out (one warning per source, naming the longest); the rest train and evaluate."""
+  rows = _gsm8k_rows(8)
+  long_question = "What is " + " + ".join(["1"] * 30) + "?"
+  rows[1]["question"] = rows[4]["question"] = long_question   # row 4 is held out
+  path = _write_jsonl(tmp_path / "train.jsonl", rows)
+  kw = dict(name="gsm8k", path=path, max_prompt_len=120, max_new_tokens=8,
+            drop_long_prompts=True)
+  task = Task(_task_config(**kw), seed=0, tokenizer=tok, eval_problems=3)
+  held = {p.uid for p in task.eval_problems(3)}
+  with caplog.at_level(logging.WARNING, logger="trm_jax.data.task"):
+    task.check_prompts(eval_problems=3)
+  assert "train.jsonl:1" not in {p.uid for p in task.batch(0, 10)}
+  assert "train.jsonl:4" in held and "train.jsonl:4" not in {p.uid for p in task.eval_problems(3)}
+  assert len(task.train_set) + len(task.eval_set) == 6
+  assert {p.uid for p in task.eval_set} == held - {"train.jsonl:4"}
+  dropped = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+  assert len(dropped) == 2 and all("left out 1 of" in m and "problem train.jsonl:" in m and
+                                   "is 203 tokens" in m for m in dropped)
+  # Nothing fits: an error, not an empty task.
+  path = _write_jsonl(tmp_path / "long.jsonl", [{"question": long_question, "answer": "#### 30"}])
+  task = Task(_task_config(**{**kw, "path": path}), seed=0, tokenizer=tok, eval_problems=0)
+  with pytest.raises(DataFileError, match=r"long.jsonl: every prompt is longer than "
+                                          r"task.max_prompt_len=120 \(the longest, problem "
+                                          r"long.jsonl:0, is 203 tokens\); raise it"):
+    task.check_prompts(eval_problems=0)
 
 
 def test_a_tokenizer_that_cannot_spell_the_prompts_is_warned_about_once(tok, tmp_path, caplog):

@@ -28,9 +28,6 @@ class ConfigError(ValueError):
 
 # Names of the `model.dtype` / `rollout.dtype` settings (the trainer maps them to jnp dtypes).
 DTYPES = ("float32", "bfloat16")
-# Tasks read from local files (trm_jax.data.loaders.LOADERS; kept here so that loading a config
-# does not import the data stack).
-FILE_TASKS = ("gsm8k", "dapo_math", "aime")
 
 
 # The shipped configs: one copy, in the repository's top-level `configs/`. A wheel carries the
@@ -177,7 +174,8 @@ def _require(cond: bool, keys: Iterable[str], msg: str) -> None:
 
 def require(cond: bool, keys: Iterable[str], msg: str) -> None:
   """ConfigError naming `keys` unless `cond`: for the `check` hooks of registry entries (an
-  objective's or a criterion's own settings), so that their errors read like validate's."""
+  objective's, a criterion's or a task's own settings, data/tasks.py), so that their errors
+  read like validate's."""
   _require(cond, keys, msg)
 
 
@@ -205,43 +203,6 @@ def _get(c: ml_collections.ConfigDict, key: str):
   for part in key.split("."):
     node = node[part]
   return node
-
-
-def validate_task(t: ml_collections.ConfigDict) -> None:
-  """Checks of the `task` section alone (also run by `trm_jax.data.task.Task`)."""
-  for key, choices in (("name", ("synthetic", *FILE_TASKS)), ("eval_name", ("", *FILE_TASKS))):
-    _require(t[key] in choices, [f"task.{key}"],
-             f"unknown value {t[key]!r}; expected one of {', '.join(map(repr, choices))}")
-  _require(t.max_prompt_len >= 0 and t.max_new_tokens >= 0,
-           ["task.max_prompt_len", "task.max_new_tokens"], "must be >= 0 (0 = derived)")
-  if t.name == "synthetic":
-    _require(not (t.path or t.eval_path or t.eval_name),
-             ["task.name", "task.path", "task.eval_path", "task.eval_name"],
-             "the synthetic task reads no files; leave task.path, task.eval_path and "
-             "task.eval_name empty")
-    _require(not (t.subset or t.split or t.eval_subset or t.eval_split),
-             ["task.name", "task.subset", "task.split", "task.eval_subset", "task.eval_split"],
-             "the synthetic task reads no dataset; leave the subsets and splits empty")
-    return
-  _require(bool(t.path), ["task.name", "task.path"],
-           f"task.name={t.name!r} needs task.path (a local jsonl/json/parquet file, a "
-           "save_to_disk directory or a Hugging Face dataset id)")
-  _require(t.max_prompt_len > 0 and t.max_new_tokens > 0,
-           ["task.name", "task.max_prompt_len", "task.max_new_tokens"],
-           f"task.name={t.name!r} needs task.max_prompt_len and task.max_new_tokens > 0 (only "
-           "the synthetic task derives them)")
-  _require(not t.eval_name or bool(t.eval_path), ["task.eval_name", "task.eval_path"],
-           f"task.eval_name={t.eval_name!r} is the format of task.eval_path, which is empty "
-           "(held-out rows of task.path have task.name's format)")
-  _require(not t.eval_subset or bool(t.eval_path), ["task.eval_subset", "task.eval_path"],
-           f"task.eval_subset={t.eval_subset!r} selects within task.eval_path, which is empty "
-           "(a held-out split of task.path is read with task.subset)")
-  # Held out from the same dataset, the evaluation split must be another one: the same split
-  # would evaluate on the problems training draws.
-  _require(bool(t.eval_path) or not t.eval_split or t.eval_split != t.split,
-           ["task.split", "task.eval_split"],
-           f"task.eval_split={t.eval_split!r} is the training split of task.path; name "
-           "another split, or leave task.eval_split empty to hold out rows of the training split")
 
 
 def check_batch_mesh(c: ml_collections.ConfigDict, mesh, sampler_mesh=None) -> None:
@@ -333,7 +294,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
              f"rollout.cache.policy={cc.policy!r} needs exactly one of ratio in (0, 1) or "
              f"capacity >= 1 (got ratio={cc.ratio}, capacity={cc.capacity})")
     _require(0.0 <= cc.ratio < 1.0, ["rollout.cache.ratio"], f"must be in [0, 1), got {cc.ratio}")
-  validate_task(c.task)
+  from trm_jax.data import tasks
+  tasks.validate(c)       # the task's section, settings and own checks (its registry entry)
   r = c.rl
   _require(r.group_size >= 2, ["rl.group_size"], "GRPO needs at least 2 samples per prompt")
   _require(r.batch_size % r.group_size == 0, ["rl.batch_size", "rl.group_size"],
@@ -400,14 +362,9 @@ def _validate_values(c: ml_collections.ConfigDict) -> None:
   _non_negative(c, "rl.overlong_penalty")
   for key in ("rl.dynamic_sampling", "rl.mask_truncated"):
     _require(isinstance(_get(c, key), bool), [key], f"must be True or False, got {_get(c, key)!r}")
-  if c.task.name == "synthetic" or not c.model.path:   # the warm-up trains on it too
-    task = synthetic_config(c.task.synthetic)
-    if c.task.name == "synthetic":
-      n = task.problem_count()
-      _require(c.eval_problems <= n, ["eval_problems"],
-               f"{c.eval_problems} held-out problems, but task.synthetic can draw only {n} "
-               "distinct problems; lower eval_problems")
-  if not c.model.path:   # the warm-up builds the base model
+  if not c.model.path:   # the warm-up builds the base model, on task.synthetic (warmup.py)
+    from trm_jax.data import synthetic
+    synthetic.from_config(c.task.synthetic)
     _positive_int(c, "warmup.steps", "warmup.batch_size")
     _non_negative(c, "warmup.lr")
     f = c.warmup.answer_only_frac
@@ -439,24 +396,13 @@ def _validate_lora(c: ml_collections.ConfigDict) -> None:
              "adapters (set model.lora.rank to the adapter's r)")
 
 
-def synthetic_config(section: ml_collections.ConfigDict):
-  """The `task.synthetic` section as the generator's `SyntheticConfig`, whose checks are the
-  only ones: their errors are reported as task.synthetic.<field>."""
-  from trm_jax.data import synthetic  # pylint: disable=g-import-not-at-top
-  try:
-    return synthetic.SyntheticConfig(**section.to_dict())
-  except synthetic.SyntheticConfigError as e:
-    _require(False, [f"task.synthetic.{f}" for f in e.fields], e.detail)
-  except TypeError as e:   # a key the generator does not have
-    raise ConfigError(f"bad config value [task.synthetic]: {e}") from None
-
-
 def _known_model_limits(c: ml_collections.ConfigDict) -> dict:
   """What `check_model_fit` can check before the model loads: the warm-up model's positions
   and vocabulary (model.arch, the synthetic tokenizer), or the ones in model.path's
   config.json if it is there and readable (a broken one is reported, with the file named,
   when the model loads)."""
-  if not c.model.path and c.task.name != "synthetic":
+  from trm_jax.data import tasks  # pylint: disable=g-import-not-at-top
+  if not c.model.path and tasks.reads_files(c.task.name):
     # The warm-up model would be trained on a file task, which no config intends (the paper
     # configs say model.path must be set) and `trm_jax.aot` validates such configs with a
     # model of its own: the limits are checked once the model is loaded.

@@ -18,9 +18,10 @@ the trainer and AOT alike.
 Who computes what (the TRM paper's setting: pi_roll != pi_theta):
   (1) prompts at data position `state.data_pos` (a pure function of the seed and the index);
   (2) rollout by the sampler: its own dtype, logit noise, router noise and KV cache (pi_roll);
-  (3) rewards from the decoded completions, with DAPO's shaping and dynamic sampling when the
-      config asks (`fill_batch`: top-up rounds of more prompts replace the groups whose
-      rewards are all equal; the data position advances by every prompt rolled out);
+  (3) rewards from the decoded completions, by the task's registered reward (data/tasks.py),
+      with DAPO's shaping and dynamic sampling when the config asks (`fill_batch`: top-up
+      rounds of more prompts replace the groups whose rewards are all equal; the data
+      position advances by every prompt rolled out);
   (4) learner `score`: pi_theta's log-probs of the sampled tokens, TRM's sequence mask and
       monitors, Sparse-RL weights (no gradient);
   (5) GRPO advantages per group (the baseline may use TRM's mask: `rl.baseline`);
@@ -51,8 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from trm_jax import preemption
 from trm_jax import programs as programs_lib
 from trm_jax import sharding as shd
-from trm_jax.data import math_reward
-from trm_jax.data import summarize as eval_summary
+from trm_jax.data.evaluation import heldout_metrics, step_metrics
 from trm_jax.models import lora
 from trm_jax.programs import DTYPES, OOM_KNOBS, Programs, narrowed  # noqa: F401 (DTYPES: train)
 from trm_jax.rl import advantages as adv_lib
@@ -270,7 +270,8 @@ class Filled:
                               #   reward in their group's baseline)
   prompts: int                # prompts rolled out this step (the data position's advance)
   tokens: float               # response tokens sampled this step, every round
-  metrics: dict               # reward, accuracy, response_len over every row sampled; dapo/*
+  metrics: dict               # the task's step metrics (reward; accuracy or task/<part>),
+                              #   response_len over every row sampled; dapo/*
 
 
 def fill_batch(ctx: RLContext, state: TrainState, fl: InFlight) -> Filled:
@@ -321,7 +322,8 @@ def fill_batch(ctx: RLContext, state: TrainState, fl: InFlight) -> Filled:
            "dapo/prompts": float(prompts), "dapo/signal_rate": with_signal / prompts}
   every = lambda f: np.concatenate([getattr(r, f) for r in seen])   # each row sampled
   raw, lengths = every("raw"), every("lengths")
-  metrics = {"reward": float(raw.mean()), "accuracy": float((raw > 0.5).mean()),
+  scores = {k: np.concatenate([r.scores[k] for r in seen]) for k in first.scores}
+  metrics = {**step_metrics(scores, binary=task.spec.binary),
              "response_len": float(lengths.mean()),
              "rollout/truncated_frac": float(1.0 - every("finished").mean()), **dyn}
   if shaping.overlong_buffer:
@@ -333,7 +335,8 @@ def fill_batch(ctx: RLContext, state: TrainState, fl: InFlight) -> Filled:
 @dataclasses.dataclass
 class Rewarded:
   """One rollout's rewards and what DAPO's shaping reads, per row [B]."""
-  raw: np.ndarray             # float32 the task's rewards
+  scores: dict                # the task's registered reward: {"reward": [B], part: [B]}
+  raw: np.ndarray             # float32 the task's rewards (scores["reward"])
   rewards: np.ndarray         # float32 with the overlong penalty (rl.overlong_buffer > 0)
   learn: np.ndarray           # bool: enters the loss (rl.mask_truncated: finished rows only)
   lengths: np.ndarray         # int32 response tokens, EOS included
@@ -343,7 +346,8 @@ class Rewarded:
 def shaped_rewards(ctx: RLContext, shaping: dapo.Shaping, ro, problems, pb) -> Rewarded:
   """One rollout's rewards: the task's, plus the overlong penalty (rl.overlong_buffer > 0);
   with rl.mask_truncated only the rows that ended with EOS enter the loss."""
-  raw = rewards_of(ctx.tok, ro, problems, pb.problem_ids, ctx.task.max_prompt_len)
+  scores = rewards_of(ctx, ro, problems, pb.problem_ids)
+  raw = scores["reward"]
   lengths, finished = host(ro.response_lengths), host(ro.stats.finished)
   rewards = raw
   if shaping.overlong_buffer:
@@ -351,7 +355,7 @@ def shaped_rewards(ctx: RLContext, shaping: dapo.Shaping, ro, problems, pb) -> R
                                           buffer=shaping.overlong_buffer,
                                           penalty=shaping.overlong_penalty)
   learn = finished if shaping.mask_truncated else np.ones(raw.shape, bool)
-  return Rewarded(raw=raw, rewards=rewards, learn=learn, lengths=lengths, finished=finished)
+  return Rewarded(scores=scores, raw=raw, rewards=rewards, learn=learn, lengths=lengths, finished=finished)
 
 
 def learner_batch(ctx: RLContext, ro, learn: Optional[np.ndarray] = None) -> LearnerBatch:
@@ -483,9 +487,12 @@ def evaluate(ctx: RLContext, params, *, step: Optional[int] = None) -> dict:
   """Held-out evaluation in the learner dtype, with the dense cache and, when the rollouts
   are compressed, also with the rollout's cache policy (keys prefixed `compressed_`).
 
-  Always greedy accuracy; with eval_samples = k > 1 also k samples per problem at
-  eval_temperature and eval_top_p -> avg@k and unbiased pass@k (Chen et al. 2021) for k in
-  {1, k}. At the rollout's temperature and top-p (the tiny configs' defaults), avg@k is what
+  Always greedy; with eval_samples = k > 1 also k samples per problem at eval_temperature
+  and eval_top_p. The held-out format's registry entry (task.eval_name, else task.name) scores
+  them and picks the numbers (`evaluation.heldout_metrics`): a binary task's greedy accuracy,
+  avg@k and unbiased pass@k (Chen et al. 2021) for k in {1, k}; a graded task's mean reward
+  and the mean of each of its parts, greedy and over the k samples (avg@k is the mean reward
+  either way). At the rollout's temperature and top-p (the tiny configs' defaults), avg@k is what
   the training reward estimates, on fixed problems: the per-step reward mixes the policy's
   change with the difficulty of that step's few prompts. The sampling key is the same at
   every evaluation, so two evaluations differ only by the policy. The compressed figure is
@@ -505,22 +512,20 @@ def evaluate(ctx: RLContext, params, *, step: Optional[int] = None) -> dict:
     for n in (1, k) if k > 1 else (1,):
       pb = task.prompts(problems, n)
       program = ctx.programs[f"eval_{'greedy' if n == 1 else 'sampled'}{suffix}"]
-      correct = _evaluate_rows(ctx, program, state, pb, problems, key)
+      scores = _evaluate_rows(ctx, program, state, pb, problems, key)
       if step is not None and not out:
         preemption.debug_point("eval", step)   # test hook: a signal mid-evaluation
-      if n == 1:
-        out[prefix + "greedy_accuracy"] = float(correct.mean())
-      else:
-        out.update({prefix + key: float(v) for key, v in
-                    eval_summary(correct.reshape(len(problems), n), ks=(1, n)).items()})
+      out.update({prefix + name: v for name, v in
+                  heldout_metrics(scores, binary=task.eval_spec.binary, n=n).items()})
   return out
 
 
-def _evaluate_rows(ctx: RLContext, program, state, pb, problems, key) -> np.ndarray:
-  """[rows] bool correctness of every row of prompt batch `pb`, sampled in calls of the
-  program's row count (eval_batch_size rounded up to the mesh; the last call padded with
-  copies of the last row, which are dropped). Call i > 0 draws from fold_in(key, i), call 0
-  from `key` itself, so an evaluation that fits one call is the same as an unchunked one."""
+def _evaluate_rows(ctx: RLContext, program, state, pb, problems, key) -> dict[str, np.ndarray]:
+  """{"reward": [rows], part: [rows]}: the held-out scores of every row of prompt batch `pb`,
+  sampled in calls of the program's row count (eval_batch_size rounded up to the mesh; the
+  last call padded with copies of the last row, which are dropped). Call i > 0 draws from
+  fold_in(key, i), call 0 from `key` itself, so an evaluation that fits one call is the same
+  as an unchunked one."""
   chunk = program.args[1].shape[0]
   rows = pb.tokens.shape[0]
   out = []
@@ -528,9 +533,9 @@ def _evaluate_rows(ctx: RLContext, program, state, pb, problems, key) -> np.ndar
     idx = np.minimum(np.arange(start, start + chunk), rows - 1)   # pad: repeat the last row
     ids, lengths = check_prompts(shd.put_batch(pb.tokens[idx], ctx.mesh), pb.lengths[idx])
     ro = program(state, ids, lengths, key if i == 0 else jax.random.fold_in(key, i))
-    ok = rewards_of(ctx.tok, ro, problems, pb.problem_ids[idx], ctx.task.max_prompt_len) > 0.5
-    out.append(ok[:min(chunk, rows - start)])
-  return np.concatenate(out)
+    scores = rewards_of(ctx, ro, problems, pb.problem_ids[idx], held_out=True)
+    out.append({k: v[:min(chunk, rows - start)] for k, v in scores.items()})
+  return {k: np.concatenate([o[k] for o in out]) for k in out[0]}
 
 
 # ------------------------------------------------------------------------------------------
@@ -597,14 +602,16 @@ def completions_of(tok, rollout, P: int) -> list[str]:
   return [tok.decode(tokens[b][mask[b]].tolist()) for b in range(tokens.shape[0])]
 
 
-def rewards_of(tok, rollout, problems, problem_ids, P: int) -> np.ndarray:
-  """[B] float32 reward of each decoded completion against its problem's answer.
+def rewards_of(ctx: RLContext, rollout, problems, problem_ids, *,
+               held_out: bool = False) -> dict[str, np.ndarray]:
+  """{"reward": [B] float32, part: [B] ...}: each decoded completion scored against its
+  problem (row b's is problems[problem_ids[b]]) by the task's registered reward, the held-out
+  format's with `held_out` (`Task.score`).
 
   Every process scores every row (cheap, and all then hold the same advantages without a
   collective)."""
-  texts = completions_of(tok, rollout, P)
-  return np.array([math_reward(t, problems[problem_ids[b]].answer) for b, t in enumerate(texts)],
-                  np.float32)
+  texts = completions_of(ctx.tok, rollout, ctx.task.max_prompt_len)
+  return ctx.task.score(texts, [problems[i] for i in problem_ids], held_out=held_out)
 
 
 class OutOfMemoryError(MemoryError):

@@ -94,7 +94,7 @@ def base_model_config(c: ml_collections.ConfigDict, tok) -> ModelConfig:
 def build_base_model(c: ml_collections.ConfigDict, out_dir: str, *,
                      log: Callable[[str], None] = print) -> str:
   """Trains the tiny base model by SFT on the synthetic task; writes an HF checkpoint."""
-  task_cfg = config_lib.synthetic_config(c.task.synthetic)
+  task_cfg = synthetic.from_config(c.task.synthetic)
   w = c.warmup
   tmp = tempfile.mkdtemp(prefix=".warmup-", dir=os.path.dirname(os.path.abspath(out_dir)))
   tok = synthetic.make_synthetic_tokenizer(tmp)

@@ -22,7 +22,7 @@ from trm_jax import sharding as shd
 from trm_jax.aot import gpu as gpu_aot
 from trm_jax.aot import hlo_cost
 from trm_jax.aot import tpu as tpu_aot
-from trm_jax.config import FILE_TASKS, ConfigError
+from trm_jax.config import ConfigError
 from trm_jax.kernels.attention import resolve_impl
 from trm_jax.models import Decoder, ModelConfig, lora
 from trm_jax.programs import device_bytes
@@ -105,7 +105,7 @@ def task_lengths(c: ml_collections.ConfigDict) -> tuple[int, int]:
   import tempfile  # pylint: disable=g-import-not-at-top
   from trm_jax.data import synthetic  # pylint: disable=g-import-not-at-top
   from trm_jax.data.task import Task  # pylint: disable=g-import-not-at-top
-  with tempfile.TemporaryDirectory() as d:   # synthetic only: file tasks must set both
+  with tempfile.TemporaryDirectory() as d:   # generated tasks only: file tasks set both
     task = Task(t, seed=c.seed, tokenizer=synthetic.make_synthetic_tokenizer(d),
                 eval_problems=0)
   return task.max_prompt_len, task.max_new_tokens
@@ -113,8 +113,9 @@ def task_lengths(c: ml_collections.ConfigDict) -> tuple[int, int]:
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """`config.validate`, except that the data files need not exist (nothing is read)."""
+  from trm_jax.data import tasks  # pylint: disable=g-import-not-at-top
   c = ml_collections.ConfigDict(c.to_dict())
-  if c.task.name in FILE_TASKS:
+  if tasks.reads_files(c.task.name):
     c.task.path = c.task.path or "(not read by trm_jax.aot)"
     if c.task.eval_name:
       c.task.eval_path = c.task.eval_path or "(not read by trm_jax.aot)"

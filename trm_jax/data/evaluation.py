@@ -1,4 +1,5 @@
-"""avg@k and pass@k from a [P, n] correctness array (P problems, n samples each).
+"""Held-out metrics: avg@k and pass@k from a [P, n] correctness array (P problems, n samples
+each) for binary tasks, mean reward and its parts for graded ones (`heldout_metrics`).
 
 avg@n is the mean reward over all samples (the paper reports avg@32 on AIME25). pass@k uses the
 unbiased estimator of Chen et al. 2021 (Codex, eq. 1): with c of n samples correct,
@@ -8,7 +9,7 @@ computed as the product 1 - prod_{i=n-c+1}^{n} (1 - k / i), which never forms th
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -58,4 +59,41 @@ def summarize(correct: np.ndarray, ks: Iterable[int] = (1,)) -> dict[str, float]
   for k in ks:
     if k <= n:
       out[f"pass@{k}"] = pass_at_k(correct, k)
+  return out
+
+
+def heldout_metrics(scores: Mapping[str, np.ndarray], *, binary: bool,
+                    n: int) -> dict[str, float]:
+  """The numbers one evaluation pass logs, from `scores` ("reward" and each part of the
+  task's, data/tasks.py: [P * n] values, the n samples of each problem adjacent).
+
+    n = 1, greedy:  binary -> greedy_accuracy;  graded -> greedy_reward, greedy_<part>
+    n > 1, sampled: binary -> avg@n, pass@1, pass@n (`summarize`);
+                    graded -> avg@n (the mean reward), <part>@n (the mean of each part)
+
+  A graded reward has no "correct", hence no pass@k; avg@n is the mean reward either way.
+  """
+  rewards = np.asarray(scores["reward"]).reshape(-1, n)            # [P, n]
+  if binary:
+    correct = _check(rewards)
+    if n == 1:
+      return {"greedy_accuracy": float(correct.mean())}
+    return summarize(correct, ks=(1, n))
+  means = {k: float(np.mean(v, dtype=np.float64)) for k, v in scores.items()}
+  if n == 1:
+    return {f"greedy_{k}": v for k, v in means.items()}
+  return {f"avg@{n}" if k == "reward" else f"{k}@{n}": v for k, v in means.items()}
+
+
+def step_metrics(scores: Mapping[str, np.ndarray], *, binary: bool) -> dict[str, float]:
+  """A training step's reward numbers from its rollouts' `scores` (data/tasks.py): the mean
+  reward, and a binary task's accuracy (the fraction rewarded 1) or a graded task's parts
+  (`task/<part>`, means)."""
+  rewards = np.asarray(scores["reward"])
+  out = {"reward": float(rewards.mean())}
+  if binary:
+    out["accuracy"] = float((rewards == 1.0).mean())
+  else:
+    out.update({f"task/{k}": float(np.mean(v, dtype=np.float64))
+                for k, v in scores.items() if k != "reward"})
   return out

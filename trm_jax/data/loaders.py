@@ -1,4 +1,6 @@
-"""GSM8K, DAPO-Math-17k and AIME-style data -> `Problem`s, from files or Hugging Face datasets.
+"""Rows of a task's data, from files or Hugging Face datasets, and the field checks every
+loader shares; the task modules (data/math_tasks.py, data/summarization.py, data/hotpotqa.py)
+turn rows into `Problem`s.
 
 A source (`task.path`, `task.eval_path`) is one of:
   * a local file: jsonl read line by line with `json`, .json as one JSON array of objects (or
@@ -11,17 +13,6 @@ A source (`task.path`, `task.eval_path`) is one of:
 Which one a path is, is decided in one place (`_source_kind`): a file, a directory with
 `save_to_disk`'s markers, any other directory, or a name shaped like a hub id; any other path
 is a missing local file.
-
-Expected fields:
-  * GSM8K: `question`, `answer` whose last line is `#### <n>` (the ground truth). The text before
-    it, with the `<<48/2=24>>` calculator annotations removed, becomes `Problem.solution`.
-  * DAPO-Math-17k (verl layout): `prompt` = list of {role, content} messages (or a plain string),
-    `reward_model` = {ground_truth, style}. The prompt already carries DAPO's instruction
-    ("... the last line of your response should be of the form Answer: $Answer"), so it is kept
-    verbatim; `math_reward` reads `Answer:` lines.
-  * AIME-style: `problem` (or `question`), `answer` (int or string), optional `solution`.
-GSM8K and AIME questions get `instruction` appended (default: reason step by step, answer in
-\\boxed{}), since their files carry no instruction of their own.
 
 Bad data fails with one line (`DataFileError`, a ValueError) naming the file or the dataset and
 split, and the row: an empty source, a line that is not JSON, a field that is missing, null or
@@ -37,11 +28,9 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
-from trm_jax.data.problem import Problem
 
-DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 _FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 # What `save_to_disk` writes at the top of its directory: state.json for a Dataset,
 # dataset_dict.json for a DatasetDict (the two files `load_from_disk` itself looks for).
@@ -239,7 +228,7 @@ def read_rows(paths: str | Sequence[str], *, split: str = "", subset: str = "") 
 
 
 # ------------------------------------------------------------------------------ field checks
-def _require(rows: list[Row], kind: str, *candidates: str) -> str:
+def require_column(rows: list[Row], kind: str, *candidates: str) -> str:
   """The first of `candidates` that some row has; else an error naming the file(s)."""
   found = set().union(*(r.fields for r in rows))
   for c in candidates:
@@ -251,132 +240,37 @@ def _require(rows: list[Row], kind: str, *candidates: str) -> str:
                       f"columns: {sorted(found)}")
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
   text = repr(value)
   return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
-def _text(row: Row, kind: str, name: str, value: Any) -> str:
+def text_field(row: Row, kind: str, name: str, value: Any) -> str:
   if value is None:
     raise DataFileError(f"{kind} {row.where}: field {name!r} is null or missing")
   if not isinstance(value, str):
-    raise DataFileError(f"{kind} {row.where}: field {name!r} is {_describe(value)}, "
+    raise DataFileError(f"{kind} {row.where}: field {name!r} is {describe(value)}, "
                         "expected a string")
   return value
 
 
-def _answer(row: Row, kind: str, name: str, value: Any) -> str:
+def answer_field(row: Row, kind: str, name: str, value: Any) -> str:
   """A ground truth: a non-empty string, or an integer (AIME files store ints)."""
   if isinstance(value, int) and not isinstance(value, bool):
     return str(value)
   if value is not None and not isinstance(value, str):
-    raise DataFileError(f"{kind} {row.where}: field {name!r} is {_describe(value)}, "
+    raise DataFileError(f"{kind} {row.where}: field {name!r} is {describe(value)}, "
                         "expected a string or an integer")
-  text = _text(row, kind, name, value).strip()
+  text = text_field(row, kind, name, value).strip()
   if not text:
     raise DataFileError(f"{kind} {row.where}: field {name!r} is an empty ground-truth "
                         "answer (no completion could match it)")
   return text
 
 
-def _with_instruction(question: str, instruction: Optional[str]) -> str:
+def with_instruction(question: str, instruction: Optional[str]) -> str:
   return question if not instruction else f"{question.strip()}\n{instruction}"
 
 
-def _uid(row: Row) -> str:
+def uid_of(row: Row) -> str:
   return f"{row.name}:{row.index}"
-
-
-# ------------------------------------------------------------------------------ loaders
-def load_gsm8k(paths: str | Sequence[str], *,
-               instruction: Optional[str] = DEFAULT_INSTRUCTION, split: str = "",
-               subset: str = "") -> list[Problem]:
-  rows = read_rows(paths, split=split, subset=subset)
-  _require(rows, "gsm8k", "question")
-  _require(rows, "gsm8k", "answer")
-  out = []
-  for row in rows:
-    question = _text(row, "gsm8k", "question", row.fields.get("question"))
-    text = _text(row, "gsm8k", "answer", row.fields.get("answer"))
-    if "####" not in text:
-      raise DataFileError(f"gsm8k {row.where}: field 'answer' has no '#### <n>' line")
-    worked, final = text.rsplit("####", 1)
-    if not final.strip():
-      raise DataFileError(f"gsm8k {row.where}: field 'answer' has an empty ground truth "
-                          "after '####' (no completion could match it)")
-    solution = re.sub(r"<<[^>]*>>", "", text).strip()
-    out.append(Problem(prompt=_with_instruction(question, instruction), answer=final.strip(),
-                       solution=solution if worked.strip() else "", source="gsm8k",
-                       uid=_uid(row)))
-  return out
-
-
-def _dapo_messages(row: Row, prompt: Any) -> tuple[str, Optional[str]]:
-  """(user turn, system turn or None) of a DAPO `prompt`: a string or a list of messages."""
-  if isinstance(prompt, str):
-    return prompt, None
-  if not isinstance(prompt, list):
-    raise DataFileError(f"dapo_math {row.where}: field 'prompt' is "
-                        f"{'null or missing' if prompt is None else _describe(prompt)}, "
-                        "expected a string or a list of {role, content} messages")
-  users, systems = [], []
-  for k, m in enumerate(prompt):
-    if not isinstance(m, dict):
-      raise DataFileError(f"dapo_math {row.where}: field 'prompt' message {k} is "
-                          f"{_describe(m)}, expected {{role, content}}")
-    content = _text(row, "dapo_math", f"prompt[{k}].content", m.get("content"))
-    role = m.get("role")
-    if role == "user":
-      users.append(content)
-    elif role == "system":
-      systems.append(content)
-  if not users:
-    raise DataFileError(f"dapo_math {row.where}: field 'prompt' has no user message")
-  return users[-1], (systems[0] if systems else None)
-
-
-def load_dapo_math(paths: str | Sequence[str], *, split: str = "",
-                   subset: str = "") -> list[Problem]:
-  rows = read_rows(paths, split=split, subset=subset)
-  _require(rows, "dapo_math", "prompt")
-  _require(rows, "dapo_math", "reward_model")
-  out = []
-  for row in rows:
-    reward_model = row.fields.get("reward_model")
-    if not isinstance(reward_model, dict):
-      raise DataFileError(f"dapo_math {row.where}: field 'reward_model' is "
-                          f"{_describe(reward_model)}, expected {{ground_truth, style}}")
-    answer = _answer(row, "dapo_math", "reward_model.ground_truth",
-                     reward_model.get("ground_truth"))
-    prompt, system = _dapo_messages(row, row.fields.get("prompt"))
-    out.append(Problem(prompt=prompt, answer=answer, system=system, source="dapo_math",
-                       uid=_uid(row)))
-  return out
-
-
-def load_aime(paths: str | Sequence[str], *,
-              instruction: Optional[str] = DEFAULT_INSTRUCTION, split: str = "",
-              subset: str = "") -> list[Problem]:
-  rows = read_rows(paths, split=split, subset=subset)
-  q_col = _require(rows, "aime", "problem", "question", "Problem")
-  a_col = _require(rows, "aime", "answer", "Answer")
-  out = []
-  for row in rows:
-    question = _text(row, "aime", q_col, row.fields.get(q_col))
-    answer = _answer(row, "aime", a_col, row.fields.get(a_col))
-    solution = row.fields.get("solution")
-    solution = "" if solution is None else _text(row, "aime", "solution", solution)
-    out.append(Problem(prompt=_with_instruction(question, instruction), answer=answer,
-                       solution=solution, source="aime", uid=_uid(row)))
-  return out
-
-
-LOADERS: dict[str, Callable[..., list[Problem]]] = {
-    "gsm8k": load_gsm8k, "dapo_math": load_dapo_math, "aime": load_aime}
-
-
-def load_problems(kind: str, paths: str | Sequence[str], **kwargs) -> list[Problem]:
-  """Dispatch by task name (the config's `task.name` / `task.eval_name`)."""
-  if kind not in LOADERS:
-    raise ValueError(f"unknown problem source {kind!r}; expected one of {sorted(LOADERS)}")
-  return LOADERS[kind](paths, **kwargs)

@@ -43,10 +43,14 @@ import json
 import math
 import os
 
+import ml_collections
 import numpy as np
 
+from trm_jax import config as config_lib
+from trm_jax.data import tasks
 from trm_jax.data.batching import make_prompt_batch
 from trm_jax.data.problem import Problem
+from trm_jax.data.rewards import math_reward
 from trm_jax.data.tokenizer import Tokenizer, load_tokenizer
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -114,6 +118,17 @@ class SyntheticConfigError(ValueError):
 def _check(ok: bool, fields, detail: str) -> None:
   if not ok:
     raise SyntheticConfigError(fields, detail)
+
+
+def from_config(section: ml_collections.ConfigDict) -> SyntheticConfig:
+  """The config's `task.synthetic` section as a `SyntheticConfig`, whose checks are the only
+  ones: their errors are ConfigErrors naming task.synthetic.<field>."""
+  try:
+    return SyntheticConfig(**section.to_dict())
+  except SyntheticConfigError as e:
+    config_lib.require(False, [f"task.synthetic.{f}" for f in e.fields], e.detail)
+  except TypeError as e:   # a key the generator does not have
+    raise config_lib.ConfigError(f"bad config value [task.synthetic]: {e}") from None
 
 
 def _answer_line(config: SyntheticConfig, value: int) -> str:
@@ -252,3 +267,16 @@ def make_synthetic_tokenizer(path: str) -> Tokenizer:
   with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
     json.dump(config, f, indent=2)
   return load_tokenizer(path)
+
+
+# ------------------------------------------------------------------------------ the task
+def _reward(completion: str, problem: Problem) -> float:
+  return math_reward(completion, problem.answer)
+
+
+tasks.register_task("synthetic", tasks.TaskSpec(
+    reward=_reward, binary=True,
+    generator=tasks.Generator(
+        section="synthetic", settings=from_config, problems=problem_batch,
+        longest_prompt=longest_prompt_problem, max_new_tokens=max_completion_tokens,
+        problem_count=lambda cfg: cfg.problem_count())))
