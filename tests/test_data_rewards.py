@@ -1,11 +1,13 @@
-"""Math reward over a table of tricky answers; avg@k / pass@k against brute force."""
+"""Math reward over a table of tricky answers; avg@k / pass@k against brute force; the held-out
+and per-step metrics of binary and graded tasks."""
 import itertools
 from math import comb
 
 import numpy as np
 import pytest
 
-from trm_jax.data.evaluation import avg_at_k, pass_at_k, pass_at_k_per_problem, summarize
+from trm_jax.data.evaluation import (avg_at_k, heldout_metrics, pass_at_k, pass_at_k_per_problem,
+                                     step_metrics, summarize)
 from trm_jax.data.rewards import extract_answer, math_reward
 
 # (completion, ground truth, expected reward)
@@ -101,3 +103,21 @@ def test_evaluation_bad_input():
     avg_at_k(np.ones(4))
   with pytest.raises(ValueError, match="0/1"):
     avg_at_k(np.full((2, 2), 0.5))
+
+
+def test_heldout_and_step_metrics_of_binary_and_graded_tasks():
+  """Binary: accuracy, avg@n, pass@k. Graded: mean reward and the mean of each part, greedy
+  and over n samples (avg@n is the mean reward either way); no pass@k for graded rewards."""
+  binary = {"reward": np.array([1, 0, 0, 0, 1, 1, 0, 0], np.float32)}   # 4 problems x 2
+  assert heldout_metrics(binary, binary=True, n=1) == {"greedy_accuracy": 0.375}
+  assert heldout_metrics(binary, binary=True, n=2) == {
+      "avg@2": 0.375, "pass@1": 0.375, "pass@2": 0.5}
+  assert step_metrics(binary, binary=True) == {"reward": 0.375, "accuracy": 0.375}
+  graded = {"reward": np.array([0.5, 0.25, 1.0, 0.0], np.float32),
+            "exact_match": np.array([0.0, 0.0, 1.0, 0.0])}
+  assert heldout_metrics(graded, binary=False, n=1) == {"greedy_reward": 0.4375,
+                                                        "greedy_exact_match": 0.25}
+  assert heldout_metrics(graded, binary=False, n=2) == {"avg@2": 0.4375, "exact_match@2": 0.25}
+  assert step_metrics(graded, binary=False) == {"reward": 0.4375, "task/exact_match": 0.25}
+  with pytest.raises(ValueError, match="correct must hold 0/1"):
+    heldout_metrics(graded, binary=True, n=1)

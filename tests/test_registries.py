@@ -1,4 +1,4 @@
-"""A new objective, learner mode, cache policy or model family is one definition plus a
+"""A new objective, learner mode, cache policy, model family or task is one definition plus a
 registration (docs/architecture.md).
 
 The toys below are defined and registered here, in the test file, and nowhere in the package:
@@ -11,7 +11,11 @@ The toys below are defined and registered here, in the test file, and nowhere in
     entries alone, and the update moves the parameters;
   * a model family (a `models.config.FAMILIES` row with a combination no shipped family has:
     Qwen3's q/k norms with Qwen2's fixed q/k/v biases) goes through a safetensors checkpoint,
-    the loader, the sampler, the learner's exact scoring and one `rl_step`.
+    the loader, the sampler, the learner's exact scoring and one `rl_step`;
+  * a task with a graded reward (closeness of the answer, exact match as a part) and a check
+    hook of its own trains end to end through `train.run`: its rewards reach the advantages,
+    its held-out metrics (mean reward and parts, no accuracy or pass@k) reach metrics.jsonl,
+    summary.json and the sweep's CSV.
 Each fixture removes its entry again, so no other test sees it.
 """
 import dataclasses
@@ -27,8 +31,10 @@ from flax import nnx
 from prompt_fixtures import left_padded_prompts
 from trm_jax import config as config_lib
 from trm_jax import step as step_lib
-from trm_jax import programs, train, warmup
-from trm_jax.data import Task, synthetic
+from trm_jax import programs, sweep, train, warmup
+from trm_jax.data import Task, synthetic, tasks
+from trm_jax.data.rewards import extract_answer
+from trm_jax.metrics import read_metrics
 from trm_jax.kernels import NEVER_EVICTED
 from model_fixtures import make_test_model
 from trm_jax.models import Decoder, from_pretrained, save_pretrained
@@ -89,6 +95,33 @@ def toy_objective():
                                 check=check)
   yield "toy_reinforce"
   del objectives.OBJECTIVES["toy_reinforce"]
+
+
+def closeness(completion, problem):
+  """Toy graded reward: 1 / (1 + |answer - truth|) for an integer answer, else 0."""
+  try:
+    return 1.0 / (1.0 + abs(int(extract_answer(completion)) - int(problem.answer)))
+  except (TypeError, ValueError):
+    return 0.0
+
+
+def toy_check(c):
+  """Toy check hook: the task's answers must stay below 100 (two digits)."""
+  s = c.task.synthetic
+  config_lib.require(s.max_operands * s.max_value < 100,
+                     ["task.synthetic.max_operands", "task.synthetic.max_value"],
+                     "the toy task's sums must stay below 100")
+
+
+@pytest.fixture
+def toy_task():
+  """The synthetic task's problems with a graded reward, a logged part and a check hook."""
+  tasks.register_task("toy_closeness", tasks.TaskSpec(
+      generator=tasks.TASKS["synthetic"].generator, reward=closeness, binary=False,
+      parts=lambda completion, p: {"exact": float(closeness(completion, p) == 1.0)},
+      check=toy_check))
+  yield "toy_closeness"
+  del tasks.TASKS["toy_closeness"]
 
 
 @pytest.fixture
@@ -231,3 +264,43 @@ def test_toy_model_family_from_checkpoint_through_rl_step(toy_family, tmp_path):
   assert metrics["learner/skipped"] == 0.0 and metrics["smd/distill_kl"] > 0.0
   moved = jax.tree.map(lambda a, b: not np.array_equal(a, np.asarray(b)), before, state.params)
   assert any(jax.tree.leaves(moved))
+
+
+def test_toy_graded_task_trains_end_to_end(toy_task, shared_run, tmp_path):
+  c = shared_run.config()
+  c.task.name = toy_task
+  c.rl.batch_size, c.rl.group_size, c.total_steps, c.log_every = 8, 2, 2, 1
+  c.eval_problems, c.eval_samples, c.eval_every, c.ckpt_every = 8, 2, 2, 2
+  c.export_hf, c.rollout.slots = False, 0    # every row at once: one rollout program
+  c.task.synthetic.max_value = 40                  # its check hook, through config.validate
+  with pytest.raises(config_lib.ConfigError, match=r"inconsistent config \[task.synthetic."
+                     r"max_operands, task.synthetic.max_value\]: the toy task's sums"):
+    config_lib.validate(c)
+  c.task.synthetic.max_value = 9
+  cell = sweep.Cell("toy", ())
+  workdir = sweep.cell_dir(str(tmp_path), cell)
+  train.run(c, workdir, progress=False)
+
+  records = read_metrics(f"{workdir}/metrics.jsonl")
+  evals = [r for r in records if "eval/greedy_reward" in r]
+  assert [r["step"] for r in evals] == [0, 2]
+  for r in evals:      # mean reward and its part, greedy and over the 2 samples
+    assert {k for k in r if k.startswith("eval/")} == {
+        "eval/greedy_reward", "eval/greedy_exact", "eval/avg@2", "eval/exact@2"}
+    assert 0.0 <= r["eval/greedy_exact"] <= r["eval/greedy_reward"] <= 1.0  # reward 1 if exact
+  steps = [r for r in records if r["step"] > 0]
+  assert len(steps) == 2 and all("accuracy" not in r and 0 <= r["task/exact"] <= r["reward"]
+                                 for r in steps)
+  # A graded reward is not a 0/1 one: somewhere a rollout is close without being exact.
+  assert any(r["reward"] > r["task/exact"] for r in steps) or any(
+      r["eval/greedy_reward"] > r["eval/greedy_exact"] for r in evals)
+
+  with open(f"{workdir}/summary.json") as f:
+    summ = json.load(f)
+  assert summ["eval"] == {k[5:]: v for k, v in evals[-1].items() if k.startswith("eval/")}
+  assert summ["summary"]["final"]["task/exact"] == steps[-1]["task/exact"]
+  assert summ["summary"]["evals"]["greedy_reward"]["first"] == evals[0]["eval/greedy_reward"]
+  row, = sweep.aggregate(str(tmp_path), cells=[cell])
+  assert row["eval/greedy_reward"] == evals[-1]["eval/greedy_reward"]
+  assert row["eval_first/avg@2"] == evals[0]["eval/avg@2"]
+  assert row["final/task/exact"] == steps[-1]["task/exact"]

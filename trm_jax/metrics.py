@@ -50,7 +50,8 @@ RESERVED_KEYS = ("step", "wall_time")  # every metrics.jsonl record has them; no
 DEFAULT_PROGRESS_KEYS = ("reward", "trm/reject_rate", "trm/ppl_gap", "bound/unified")
 DEFAULT_PLOT_KEYS = ("reward", "trm/reject_rate", "trm/ppl_gap", "bound/unified",
                      "learner/entropy", "response_len")
-DEFAULT_SUMMARY_KEYS = ("reward", "accuracy", "trm/reject_rate", "trm/ppl_gap",
+# A key ending in "/" stands for every metric under it ("task/": a graded task's parts).
+DEFAULT_SUMMARY_KEYS = ("reward", "accuracy", "task/", "trm/reject_rate", "trm/ppl_gap",
                         "bound/unified", "smd/distill_kl", "sparse_rl/wasted_frac",
                         "learner/entropy", "response_len", "learner/skipped",
                         "throughput/tokens_per_s", "memory/host_peak_rss_mb")
@@ -324,8 +325,8 @@ def summarize(metrics_jsonl_path: str, key: str = "reward",
   Over the n logged steps with a finite `key` (null steps are left out), with k = ceil(n/10):
     first_mean = mean of the first k values, last_mean = mean of the last k,
     delta = last_mean - first_mean (the number the main job must make positive).
-  `final` maps each of `final_keys` (default: every metric in the file) to its last finite
-  value. `evals` maps each logged `eval_prefix` metric (prefix removed) to its first and last
+  `final` maps each of `final_keys` (default: every metric in the file; a key ending in "/"
+  stands for every metric under it) to its last finite value. `evals` maps each logged `eval_prefix` metric (prefix removed) to its first and last
   finite value and their steps: the held-out change, free of the training batches' varying
   difficulty that moves first_mean and last_mean.
   """
@@ -337,8 +338,11 @@ def summarize(metrics_jsonl_path: str, key: str = "reward",
     raise ValueError(f"{metrics_jsonl_path} has no finite values of {key!r}")
   k = math.ceil(len(values) / 10)
   first, last = values[:k], values[-k:]
+  present = sorted({m for r in records for m in r} - set(RESERVED_KEYS))
   if final_keys is None:
-    final_keys = sorted({m for r in records for m in r} - set(RESERVED_KEYS))
+    final_keys = present
+  final_keys = [m for k in final_keys
+                for m in ([p for p in present if p.startswith(k)] if k.endswith("/") else [k])]
   final = {}
   for m in final_keys:
     _, vals = series(records, m)

@@ -44,8 +44,8 @@ Held-out problems never reach training:
     difficulty. Training cycles through the remaining rows in file order.
 
 Derived lengths (generated tasks): P is the length of the longest prompt the task can draw
-(`Generator.longest_prompt`) tokenized through `make_prompt_batch`, the path every training
-prompt takes; R is `Generator.max_new_tokens` (for the synthetic task the longest worked
+(`Generator.longest_prompt`) tokenized as every training prompt is (`encode_prompt`: the chat
+template with its generation prompt); R is `Generator.max_new_tokens` (for the synthetic task the longest worked
 solution plus <eos>, exact for its tokenizer: one token per character).
 """
 from __future__ import annotations
@@ -128,8 +128,8 @@ class Task:
     if self.generator is not None:
       g = self.generator
       self.settings = g.settings(t[g.section])
-      self.max_prompt_len = t.max_prompt_len or int(
-          make_prompt_batch(tokenizer, [g.longest_prompt(self.settings)], 1).lengths[0])
+      self.max_prompt_len = t.max_prompt_len or len(
+          encode_prompt(tokenizer, g.longest_prompt(self.settings)))
       self.max_new_tokens = t.max_new_tokens or g.max_new_tokens(self.settings)
       return
     load_problems = tasks.load_problems

@@ -8,9 +8,10 @@ package's own code: `rouge_score.tokenize.tokenize` (lower-case, every run of ch
 other than a-z / 0-9 is a separator, tokens longer than 3 characters Porter-stemmed) with
 nltk's `PorterStemmer()` (NLTK_EXTENSIONS mode), the stemmer `rouge_score`'s DefaultTokenizer
 builds, so they cannot drift from it; stems are memoised. What differs is how the longest
-common subsequence is found: `rouge_score` fills an O(n * m) table in Python (about 0.1 s per
-GovReport-sized pair), here the bit-parallel algorithm of Allison & Dix (1986) / Hyyro (2004)
-computes the same length with one big-integer addition per prediction token. Precision is
+common subsequence is found: `rouge_score` fills an O(n * m) table in Python, here the
+bit-parallel algorithm of Allison & Dix (1986) / Hyyro (2004) computes the same length with
+one big-integer addition per prediction token (`python -m bench.rouge` times the two side by
+side at TL;DR and GovReport sizes, where every step scores hundreds of pairs). Precision is
 LCS / prediction tokens, recall LCS / reference tokens, F = 2 P R / (P + R), as there; an empty
 side scores 0.
 
