@@ -8,6 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from data_fixtures import write_rows
 from trm_jax.data import DEFAULT_INSTRUCTION, DataFileError, load_problems
 from trm_jax.data.rewards import math_reward
 
@@ -38,18 +39,9 @@ AIME = [
 ]
 
 
-def _write(tmp_path, name, rows):
-  path = tmp_path / name
-  if name.endswith(".parquet"):
-    pq.write_table(pa.Table.from_pylist(rows), path)
-  else:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-  return str(path)
-
-
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_gsm8k(tmp_path, ext):
-  path = _write(tmp_path, f"gsm8k.{ext}", GSM8K)
+  path = write_rows(tmp_path, f"gsm8k.{ext}", GSM8K)
   probs = load_problems("gsm8k", path)
   assert [p.answer for p in probs] == ["72", "1,200"]
   assert probs[0].prompt == GSM8K[0]["question"] + "\n" + DEFAULT_INSTRUCTION
@@ -60,7 +52,7 @@ def test_gsm8k(tmp_path, ext):
 
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_dapo_math(tmp_path, ext):
-  path = _write(tmp_path, f"dapo.{ext}", DAPO)
+  path = write_rows(tmp_path, f"dapo.{ext}", DAPO)
   probs = load_problems("dapo_math", path)
   assert [p.answer for p in probs] == ["42", "1"]
   assert probs[0].prompt == DAPO[0]["prompt"][0]["content"] and probs[0].system is None
@@ -72,36 +64,36 @@ def test_dapo_math(tmp_path, ext):
 
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_aime(tmp_path, ext):
-  path = _write(tmp_path, f"aime.{ext}", AIME)
+  path = write_rows(tmp_path, f"aime.{ext}", AIME)
   probs = load_problems("aime", path, instruction=None)
   assert [p.answer for p in probs] == ["25", "4"]
   assert probs[0].prompt == AIME[0]["problem"] and probs[0].solution == AIME[0]["solution"]
   # "question" is accepted in place of "problem".
-  alt = _write(tmp_path, "aime_q.jsonl", [{"question": "Q?", "answer": "7"}])
+  alt = write_rows(tmp_path, "aime_q.jsonl", [{"question": "Q?", "answer": "7"}])
   assert load_problems("aime", alt)[0].answer == "7"
 
 
 def test_several_files(tmp_path):
-  a = _write(tmp_path, "a.jsonl", GSM8K[:1])
-  b = _write(tmp_path, "b.jsonl", GSM8K[1:])
+  a = write_rows(tmp_path, "a.jsonl", GSM8K[:1])
+  b = write_rows(tmp_path, "b.jsonl", GSM8K[1:])
   probs = load_problems("gsm8k", [a, b])
   assert [p.answer for p in probs] == ["72", "1,200"]
 
 
 def test_errors_name_the_file_and_column(tmp_path):
-  bad = _write(tmp_path, "no_answer.jsonl", [{"question": "q", "solution": "s"}])
+  bad = write_rows(tmp_path, "no_answer.jsonl", [{"question": "q", "solution": "s"}])
   with pytest.raises(ValueError, match=r"gsm8k file .*no_answer.jsonl: missing column 'answer'; "
                                        r"found columns: \['question', 'solution'\]"):
     load_problems("gsm8k", bad)
-  no_hash = _write(tmp_path, "no_hash.jsonl", [{"question": "q", "answer": "42"}])
+  no_hash = write_rows(tmp_path, "no_hash.jsonl", [{"question": "q", "answer": "42"}])
   with pytest.raises(ValueError, match=r"no_hash.jsonl, line 1: field 'answer' has no '####"):
     load_problems("gsm8k", no_hash)
-  no_gt = _write(tmp_path, "no_gt.parquet", [
+  no_gt = write_rows(tmp_path, "no_gt.parquet", [
       {"prompt": [{"role": "user", "content": "x"}], "reward_model": {"style": "rule"}}])
   with pytest.raises(ValueError,
                      match=r"no_gt.parquet, row 1: field 'reward_model.ground_truth' is null"):
     load_problems("dapo_math", no_gt)
-  no_problem = _write(tmp_path, "aime_bad.jsonl", [{"text": "x", "answer": 1}])
+  no_problem = write_rows(tmp_path, "aime_bad.jsonl", [{"text": "x", "answer": 1}])
   with pytest.raises(ValueError, match=r"aime_bad.jsonl: missing column 'problem'"):
     load_problems("aime", no_problem)
   with pytest.raises(DataFileError) as e:
@@ -172,14 +164,14 @@ def _raises_prefix(kind, path, prefix):
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_null_and_non_string_fields(tmp_path, ext):
   at = "line" if ext == "jsonl" else "row"
-  path = _write(tmp_path, f"null_q.{ext}", [GSM8K[0], {"question": None, "answer": "#### 1"}])
+  path = write_rows(tmp_path, f"null_q.{ext}", [GSM8K[0], {"question": None, "answer": "#### 1"}])
   _raises("gsm8k", path, f"gsm8k file {path}, {at} 2: field 'question' is null or missing")
-  path = _write(tmp_path, f"null_gt.{ext}", [
+  path = write_rows(tmp_path, f"null_gt.{ext}", [
       DAPO[0], {"prompt": [{"role": "user", "content": "x"}],
                 "reward_model": {"ground_truth": None, "style": "rule"}}])
   _raises("dapo_math", path, f"dapo_math file {path}, {at} 2: field "
                              "'reward_model.ground_truth' is null or missing")
-  path = _write(tmp_path, f"null_content.{ext}", [
+  path = write_rows(tmp_path, f"null_content.{ext}", [
       DAPO[0], {"prompt": [{"role": "user", "content": None}],
                 "reward_model": {"ground_truth": "1", "style": "rule"}}])
   _raises("dapo_math", path, f"dapo_math file {path}, {at} 2: field 'prompt[0].content' is "
@@ -187,31 +179,31 @@ def test_null_and_non_string_fields(tmp_path, ext):
 
 
 def test_wrong_types_are_named(tmp_path):
-  path = _write(tmp_path, "list_q.jsonl", [{"question": ["a", "b"], "answer": "#### 1"}])
+  path = write_rows(tmp_path, "list_q.jsonl", [{"question": ["a", "b"], "answer": "#### 1"}])
   _raises("gsm8k", path, f"gsm8k file {path}, line 1: field 'question' is list ['a', 'b'], "
                          "expected a string")
-  path = _write(tmp_path, "float_answer.jsonl", [AIME[0], {"problem": "p", "answer": 2.5}])
+  path = write_rows(tmp_path, "float_answer.jsonl", [AIME[0], {"problem": "p", "answer": 2.5}])
   _raises("aime", path, f"aime file {path}, line 2: field 'answer' is float 2.5, expected a "
                         "string or an integer")
-  path = _write(tmp_path, "prompt_int.jsonl", [{"prompt": 7, "reward_model": {
+  path = write_rows(tmp_path, "prompt_int.jsonl", [{"prompt": 7, "reward_model": {
       "ground_truth": "1"}}])
   _raises("dapo_math", path, f"dapo_math file {path}, line 1: field 'prompt' is int 7, "
                              "expected a string or a list of {role, content} messages")
-  path = _write(tmp_path, "rm_str.jsonl", [{"prompt": "p", "reward_model": "42"}])
+  path = write_rows(tmp_path, "rm_str.jsonl", [{"prompt": "p", "reward_model": "42"}])
   _raises("dapo_math", path, f"dapo_math file {path}, line 1: field 'reward_model' is str "
                              "'42', expected {ground_truth, style}")
 
 
 def test_empty_ground_truth_is_refused(tmp_path):
-  path = _write(tmp_path, "gsm8k.jsonl", [GSM8K[0], {"question": "q", "answer": "work\n#### "}])
+  path = write_rows(tmp_path, "gsm8k.jsonl", [GSM8K[0], {"question": "q", "answer": "work\n#### "}])
   _raises("gsm8k", path, f"gsm8k file {path}, line 2: field 'answer' has an empty ground truth "
                          "after '####' (no completion could match it)")
-  path = _write(tmp_path, "dapo.parquet", [
+  path = write_rows(tmp_path, "dapo.parquet", [
       DAPO[0], {"prompt": [{"role": "user", "content": "x"}],
                 "reward_model": {"ground_truth": "", "style": "rule"}}])
   _raises("dapo_math", path, f"dapo_math file {path}, row 2: field 'reward_model.ground_truth' "
                              "is an empty ground-truth answer (no completion could match it)")
-  path = _write(tmp_path, "aime.jsonl", [AIME[0], AIME[1], {"problem": "p", "answer": "  "}])
+  path = write_rows(tmp_path, "aime.jsonl", [AIME[0], AIME[1], {"problem": "p", "answer": "  "}])
   _raises("aime", path, f"aime file {path}, line 3: field 'answer' is an empty ground-truth "
                         "answer (no completion could match it)")
 
@@ -220,7 +212,7 @@ def test_uid_is_file_and_row(tmp_path):
   """uids stay "<file>:<0-based row>" per file, also across several files and blank lines."""
   a = tmp_path / "a.jsonl"
   a.write_text(json.dumps(GSM8K[0]) + "\n\n" + json.dumps(GSM8K[1]) + "\n")
-  b = _write(tmp_path, "b.jsonl", GSM8K[:1])
+  b = write_rows(tmp_path, "b.jsonl", GSM8K[:1])
   assert [p.uid for p in load_problems("gsm8k", [str(a), b])] == ["a.jsonl:0", "a.jsonl:1",
                                                                   "b.jsonl:0"]
 
@@ -239,7 +231,7 @@ def test_save_to_disk_dataset_loads_as_the_same_rows_in_jsonl(tmp_path, kind, ro
   disk = str(tmp_path / kind)
   datasets.Dataset.from_list(rows).save_to_disk(disk)
   from_disk = load_problems(kind, disk, **kw)
-  from_jsonl = load_problems(kind, _write(tmp_path, f"{kind}.jsonl", rows), **kw)
+  from_jsonl = load_problems(kind, write_rows(tmp_path, f"{kind}.jsonl", rows), **kw)
   assert _without_uid(from_disk) == _without_uid(from_jsonl)
   assert [p.uid for p in from_disk] == [f"{kind}:{i}" for i in range(len(rows))]
 
@@ -272,7 +264,7 @@ def test_a_saved_dataset_and_a_file_are_one_split(tmp_path):
   _raises("gsm8k", disk, f"dataset {disk} (split 'test'): the directory holds one Dataset "
                          "(split train), not a DatasetDict; leave the split empty or name the "
                          "recorded one", split="test")
-  path = _write(tmp_path, "gsm8k.jsonl", GSM8K)
+  path = write_rows(tmp_path, "gsm8k.jsonl", GSM8K)
   _raises("gsm8k", path, f"data file {path}: a file is one split; leave the split and subset "
                          "empty (got split 'train', subset '')", split="train")
   empty = str(tmp_path / "empty")
@@ -295,7 +287,7 @@ def test_hub_layout_with_subset_and_split(tmp_path, monkeypatch):
   test = load_problems("gsm8k", str(repo), subset="main", split="test")
   assert [p.answer for p in test] == ["1,200"] and test[0].uid == "gsm8k_repo/main/test:0"
   assert _without_uid(load_problems("gsm8k", str(repo), subset="main", split="train")) == \
-      _without_uid(load_problems("gsm8k", _write(tmp_path, "g.jsonl", GSM8K)))
+      _without_uid(load_problems("gsm8k", write_rows(tmp_path, "g.jsonl", GSM8K)))
   _raises("gsm8k", str(repo), f"dataset {repo} (subset 'main') has splits ['test', 'train']: "
                               "name the one to read (task.split / task.eval_split)",
           subset="main")

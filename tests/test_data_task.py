@@ -168,7 +168,9 @@ def test_file_task_config_errors(tok, tmp_path):
   with pytest.raises(config_lib.ConfigError,
                      match="needs task.max_prompt_len and task.max_new_tokens"):
     Task(_task_config(name="gsm8k", path=path, max_new_tokens=8), 0, tok, 0)
-  with pytest.raises(config_lib.ConfigError, match=r"\[task.eval_name\]: unknown value 'math500'; expected '' or a task that reads files: 'aime', 'dapo_math'"):
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"\[task.eval_name\]: unknown value 'math500'; expected '' or a task "
+                           r"that reads files: 'aime', 'dapo_math'"):
     Task(_task_config(name="gsm8k", path=path, eval_name="math500", max_prompt_len=400,
                       max_new_tokens=8), 0, tok, 0)
   with pytest.raises(config_lib.ConfigError,
@@ -176,7 +178,9 @@ def test_file_task_config_errors(tok, tmp_path):
                            "empty"):
     Task(_task_config(name="gsm8k", path=path, eval_name="aime", max_prompt_len=400,
                       max_new_tokens=8), 0, tok, 0)
-  with pytest.raises(config_lib.ConfigError, match=r"\[task.name\]: unknown value 'math500'; expected one of 'aime', 'dapo_math', 'govreport'"):
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"\[task.name\]: unknown value 'math500'; expected one of 'aime', "
+                           r"'dapo_math', 'govreport'"):
     Task(_task_config(name="math500", path=path), 0, tok, 0)
 
 

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from data_fixtures import write_rows
 from trm_jax.data import TASKS, DataFileError, Problem, load_problems, qa_f1, rouge_l, tasks
 from trm_jax.data.hotpotqa import INSTRUCTION as HOTPOT_INSTRUCTION
 from trm_jax.data.summarization import GOVREPORT_INSTRUCTION, TLDR_INSTRUCTION
@@ -55,15 +56,6 @@ HOTPOT = [
 ]
 
 
-def _write(tmp_path, name, rows):
-  path = tmp_path / name
-  if name.endswith(".parquet"):
-    pq.write_table(pa.Table.from_pylist(rows), path)
-  else:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-  return str(path)
-
-
 def _without_uid(problems):
   return [dataclasses.replace(p, uid="") for p in problems]
 
@@ -78,7 +70,7 @@ def _raises(name, path, message, **kw):
 # ------------------------------------------------------------------ prompts and references
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_tldr(tmp_path, ext):
-  path = _write(tmp_path, f"tldr.{ext}", TLDR)
+  path = write_rows(tmp_path, f"tldr.{ext}", TLDR)
   probs = load_problems("tldr", path)
   assert probs[0].prompt == TLDR[0]["prompt"] + "\n" + TLDR_INSTRUCTION
   assert [p.answer for p in probs] == [r["completion"].strip() for r in TLDR]
@@ -89,7 +81,7 @@ def test_tldr(tmp_path, ext):
 
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_govreport(tmp_path, ext):
-  path = _write(tmp_path, f"gov.{ext}", GOVREPORT)
+  path = write_rows(tmp_path, f"gov.{ext}", GOVREPORT)
   probs = load_problems("govreport", path)
   assert probs[1].prompt == GOVREPORT[1]["report"] + "\n" + GOVREPORT_INSTRUCTION
   assert [p.answer for p in probs] == [r["summary"] for r in GOVREPORT]
@@ -98,7 +90,7 @@ def test_govreport(tmp_path, ext):
 
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
 def test_hotpotqa_prompt_holds_every_sentence_and_ends_with_the_question(tmp_path, ext):
-  path = _write(tmp_path, f"hotpot.{ext}", HOTPOT)
+  path = write_rows(tmp_path, f"hotpot.{ext}", HOTPOT)
   probs = load_problems("hotpotqa", path)
   assert [p.answer for p in probs] == ["yes", "1966"]
   assert probs[1].solution == "Answer: 1966" and probs[1].source == "hotpotqa"
@@ -123,7 +115,7 @@ def test_hotpotqa_original_json_layout(tmp_path):
   path = tmp_path / "hotpot_dev_distractor_v1.json"
   path.write_text(json.dumps(rows))       # one JSON array, as distributed
   assert _without_uid(load_problems("hotpotqa", str(path))) == \
-      _without_uid(load_problems("hotpotqa", _write(tmp_path, "h.jsonl", HOTPOT)))
+      _without_uid(load_problems("hotpotqa", write_rows(tmp_path, "h.jsonl", HOTPOT)))
 
 
 # ------------------------------------------------------------------ datasets
@@ -134,7 +126,7 @@ def test_save_to_disk_dataset_dict_is_the_jsonl_rows(tmp_path, name, rows):
   datasets.DatasetDict(train=datasets.Dataset.from_list(rows),
                        test=datasets.Dataset.from_list(rows[1:])).save_to_disk(disk)
   train = load_problems(name, disk, split="train")
-  assert _without_uid(train) == _without_uid(load_problems(name, _write(tmp_path, "r.jsonl",
+  assert _without_uid(train) == _without_uid(load_problems(name, write_rows(tmp_path, "r.jsonl",
                                                                          rows)))
   assert [p.uid for p in load_problems(name, disk, split="test")] == [f"{name}/test:0"]
 
@@ -156,7 +148,7 @@ def test_hotpotqa_hub_layout_with_subset(tmp_path, monkeypatch):
   assert [p.answer for p in val] == ["1966"] and val[0].uid == "hotpot_qa/distractor/validation:0"
   assert _without_uid(load_problems("hotpotqa", str(repo), subset="distractor",
                                     split="train")) == \
-      _without_uid(load_problems("hotpotqa", _write(tmp_path, "h.jsonl", HOTPOT)))
+      _without_uid(load_problems("hotpotqa", write_rows(tmp_path, "h.jsonl", HOTPOT)))
 
 
 def test_hub_id_missing_from_the_offline_cache_is_one_line(tmp_path, monkeypatch):
@@ -172,11 +164,11 @@ def test_hub_id_missing_from_the_offline_cache_is_one_line(tmp_path, monkeypatch
 
 # ------------------------------------------------------------------ one-line errors
 def test_errors_name_the_dataset_split_and_row(tmp_path):
-  path = _write(tmp_path, "tldr.jsonl", [TLDR[0], {"prompt": "POST: x\n\nTL;DR:",
+  path = write_rows(tmp_path, "tldr.jsonl", [TLDR[0], {"prompt": "POST: x\n\nTL;DR:",
                                                    "completion": "  "}])
   _raises("tldr", path, f"tldr file {path}, line 2: field 'completion' is an empty reference "
                         "summary (every completion would score 0)")
-  path = _write(tmp_path, "gov.jsonl", [{"report": "r", "abstract": "s"}])
+  path = write_rows(tmp_path, "gov.jsonl", [{"report": "r", "abstract": "s"}])
   with pytest.raises(DataFileError, match=r"govreport file .*gov.jsonl: missing column "
                                           r"'summary'; found columns: \['abstract', 'report'\]"):
     load_problems("govreport", path)
@@ -185,22 +177,22 @@ def test_errors_name_the_dataset_split_and_row(tmp_path):
       [HOTPOT[0], dict(HOTPOT[1], answer=None)])).save_to_disk(bad)
   _raises("hotpotqa", bad, f"hotpotqa dataset {bad} (split 'validation'), row 2: field "
                            "'answer' is null or missing", split="validation")
-  path = _write(tmp_path, "ctx.jsonl", [dict(HOTPOT[0], context={"title": ["a", "b"],
+  path = write_rows(tmp_path, "ctx.jsonl", [dict(HOTPOT[0], context={"title": ["a", "b"],
                                                                  "sentences": [["x"]]})])
   _raises("hotpotqa", path, f"hotpotqa file {path}, line 1: field 'context' is dict "
                             "{'title': ['a', 'b'], 'sentences': [[..., expected {title: [T "
                             "titles], sentences: [T lists of sentences]}")
-  path = _write(tmp_path, "sent.jsonl", [dict(HOTPOT[0], context=[["a", "just a string"]])])
+  path = write_rows(tmp_path, "sent.jsonl", [dict(HOTPOT[0], context=[["a", "just a string"]])])
   _raises("hotpotqa", path, f"hotpotqa file {path}, line 1: field 'context' paragraph 0 ('a') "
                             "has sentences str 'just a string', expected a list of strings")
-  path = _write(tmp_path, "empty_ctx.parquet", [dict(HOTPOT[0], context=[])])
+  path = write_rows(tmp_path, "empty_ctx.parquet", [dict(HOTPOT[0], context=[])])
   _raises("hotpotqa", path, f"hotpotqa file {path}, row 1: field 'context' has no paragraphs")
 
 
 # ------------------------------------------------------------------ rewards through the registry
 def test_rewards_and_parts_through_the_registry(tmp_path):
-  tldr = load_problems("tldr", _write(tmp_path, "t.jsonl", TLDR))
-  hotpot = load_problems("hotpotqa", _write(tmp_path, "h.jsonl", HOTPOT))
+  tldr = load_problems("tldr", write_rows(tmp_path, "t.jsonl", TLDR))
+  hotpot = load_problems("hotpotqa", write_rows(tmp_path, "h.jsonl", HOTPOT))
   summary = "my friend cancels plans at the last minute"
   assert not TASKS["tldr"].binary and not TASKS["hotpotqa"].binary and TASKS["gsm8k"].binary
   assert TASKS["tldr"].reward(summary, tldr[0]) == rouge_l(summary, tldr[0].answer)
@@ -211,7 +203,7 @@ def test_rewards_and_parts_through_the_registry(tmp_path):
   np.testing.assert_array_equal(scores["exact_match"], [0.0, 0.0])
   assert scores["reward"][0] == np.float32(qa_f1("in 1966", ["1966"]))
   parts = tasks.score(TASKS["govreport"], "govreport", ["Agencies reported incidents."],
-                      [load_problems("govreport", _write(tmp_path, "g.jsonl", GOVREPORT))[1]])
+                      [load_problems("govreport", write_rows(tmp_path, "g.jsonl", GOVREPORT))[1]])
   # tokens [agenc, report, incid] vs [agenc, report, 28, 000, incid]: LCS 3, P 1, R 3/5.
   assert parts["rouge_l_precision"][0] == 1.0 and parts["rouge_l_recall"][0] == 0.6
   assert parts["reward"][0] == np.float32(0.75)

@@ -270,7 +270,7 @@ def test_toy_graded_task_trains_end_to_end(toy_task, shared_run, tmp_path):
   c = shared_run.config()
   c.task.name = toy_task
   c.rl.batch_size, c.rl.group_size, c.total_steps, c.log_every = 8, 2, 2, 1
-  c.eval_problems, c.eval_samples, c.eval_every, c.ckpt_every = 8, 2, 2, 2
+  c.eval_problems, c.eval_samples, c.eval_every, c.ckpt_every = 8, 1, 2, 2
   c.export_hf, c.rollout.slots = False, 0    # every row at once: one rollout program
   c.task.synthetic.max_value = 40                  # its check hook, through config.validate
   with pytest.raises(config_lib.ConfigError, match=r"inconsistent config \[task.synthetic."
@@ -284,9 +284,8 @@ def test_toy_graded_task_trains_end_to_end(toy_task, shared_run, tmp_path):
   records = read_metrics(f"{workdir}/metrics.jsonl")
   evals = [r for r in records if "eval/greedy_reward" in r]
   assert [r["step"] for r in evals] == [0, 2]
-  for r in evals:      # mean reward and its part, greedy and over the 2 samples
-    assert {k for k in r if k.startswith("eval/")} == {
-        "eval/greedy_reward", "eval/greedy_exact", "eval/avg@2", "eval/exact@2"}
+  for r in evals:      # the mean reward and its part (no accuracy, no pass@k)
+    assert {k for k in r if k.startswith("eval/")} == {"eval/greedy_reward", "eval/greedy_exact"}
     assert 0.0 <= r["eval/greedy_exact"] <= r["eval/greedy_reward"] <= 1.0  # reward 1 if exact
   steps = [r for r in records if r["step"] > 0]
   assert len(steps) == 2 and all("accuracy" not in r and 0 <= r["task/exact"] <= r["reward"]
@@ -302,5 +301,5 @@ def test_toy_graded_task_trains_end_to_end(toy_task, shared_run, tmp_path):
   assert summ["summary"]["evals"]["greedy_reward"]["first"] == evals[0]["eval/greedy_reward"]
   row, = sweep.aggregate(str(tmp_path), cells=[cell])
   assert row["eval/greedy_reward"] == evals[-1]["eval/greedy_reward"]
-  assert row["eval_first/avg@2"] == evals[0]["eval/avg@2"]
+  assert row["eval_first/greedy_exact"] == evals[0]["eval/greedy_exact"]
   assert row["final/task/exact"] == steps[-1]["task/exact"]

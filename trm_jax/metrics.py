@@ -326,9 +326,10 @@ def summarize(metrics_jsonl_path: str, key: str = "reward",
     first_mean = mean of the first k values, last_mean = mean of the last k,
     delta = last_mean - first_mean (the number the main job must make positive).
   `final` maps each of `final_keys` (default: every metric in the file; a key ending in "/"
-  stands for every metric under it) to its last finite value. `evals` maps each logged `eval_prefix` metric (prefix removed) to its first and last
-  finite value and their steps: the held-out change, free of the training batches' varying
-  difficulty that moves first_mean and last_mean.
+  stands for every metric under it) to its last finite value. `evals` maps each logged
+  `eval_prefix` metric (prefix removed) to its first and last finite value and their steps:
+  the held-out change, free of the training batches' varying difficulty that moves
+  first_mean and last_mean.
   """
   records = read_metrics(metrics_jsonl_path)
   steps, values = series(records, key)

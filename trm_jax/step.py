@@ -492,8 +492,8 @@ def evaluate(ctx: RLContext, params, *, step: Optional[int] = None) -> dict:
   them and picks the numbers (`evaluation.heldout_metrics`): a binary task's greedy accuracy,
   avg@k and unbiased pass@k (Chen et al. 2021) for k in {1, k}; a graded task's mean reward
   and the mean of each of its parts, greedy and over the k samples (avg@k is the mean reward
-  either way). At the rollout's temperature and top-p (the tiny configs' defaults), avg@k is what
-  the training reward estimates, on fixed problems: the per-step reward mixes the policy's
+  either way). At the rollout's temperature and top-p (the tiny configs' defaults), avg@k is
+  what the training reward estimates, on fixed problems: the per-step reward mixes the policy's
   change with the difficulty of that step's few prompts. The sampling key is the same at
   every evaluation, so two evaluations differ only by the policy. The compressed figure is
   the one a KV-compressed deployment sees, which SMD trains for (the dense one is what the

@@ -45,8 +45,8 @@ Held-out problems never reach training:
 
 Derived lengths (generated tasks): P is the length of the longest prompt the task can draw
 (`Generator.longest_prompt`) tokenized as every training prompt is (`encode_prompt`: the chat
-template with its generation prompt); R is `Generator.max_new_tokens` (for the synthetic task the longest worked
-solution plus <eos>, exact for its tokenizer: one token per character).
+template with its generation prompt); R is `Generator.max_new_tokens` (for the synthetic task
+the longest worked solution plus <eos>, exact for its tokenizer: one token per character).
 """
 from __future__ import annotations
 
@@ -132,21 +132,20 @@ class Task:
           encode_prompt(tokenizer, g.longest_prompt(self.settings)))
       self.max_new_tokens = t.max_new_tokens or g.max_new_tokens(self.settings)
       return
-    load_problems = tasks.load_problems
     self.max_prompt_len, self.max_new_tokens = t.max_prompt_len, t.max_new_tokens
-    problems = load_problems(t.name, t.path, split=t.split, subset=t.subset)
+    problems = tasks.load_problems(t.name, t.path, split=t.split, subset=t.subset)
     self.fingerprint["task.path"] = fingerprint.source_fingerprint(t.path, problems,
                                                                    split=t.split,
                                                                    subset=t.subset)
     if t.eval_path:
       self.train_set = problems
-      self.eval_set = load_problems(self.eval_name, t.eval_path, split=t.eval_split,
+      self.eval_set = tasks.load_problems(self.eval_name, t.eval_path, split=t.eval_split,
                                     subset=t.eval_subset)
       self.fingerprint["task.eval_path"] = fingerprint.source_fingerprint(
           t.eval_path, self.eval_set, split=t.eval_split, subset=t.eval_subset)
     elif t.eval_split:   # a held-out split of the same dataset (check_section: not `split`)
       self.train_set = problems
-      self.eval_set = load_problems(t.name, t.path, split=t.eval_split, subset=t.subset)
+      self.eval_set = tasks.load_problems(t.name, t.path, split=t.eval_split, subset=t.subset)
       self.fingerprint["task.eval_split"] = fingerprint.source_fingerprint(
           t.path, self.eval_set, split=t.eval_split, subset=t.subset)
     elif eval_problems:
