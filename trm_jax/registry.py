@@ -1,15 +1,16 @@
-"""Registries of named variants: objectives, learner modes, cache policies, TRM criteria.
+"""Registries of named variants: objectives, learner modes, cache policies, TRM criteria,
+tasks.
 
 A variant is one entry, added with `register` and looked up with `get` by the name a config
-uses (`rl.objective`, `smd.mode`, `rollout.cache.policy`, `trm.criteria`). A `Registry` is a
-dict (name -> entry), so `name in R`, `sorted(R)` and iteration work as on one; what it adds is
-the two errors every registry gives the same way: a name registered twice, and an unknown name
-(which lists the registered ones).
+uses (`rl.objective`, `smd.mode`, `rollout.cache.policy`, `trm.criteria`, `task.name`). A
+`Registry` is a dict (name -> entry), so `name in R`, `sorted(R)` and iteration work as on one;
+what it adds is the two errors every registry gives the same way: a name registered twice, and
+an unknown name (which lists the registered ones).
 
 An entry's settings are validated by the entry itself: objectives and criteria carry a
-`check(config)` (`no_check` when they have nothing of their own to check), which
-`config.validate` runs for the entries the config selects, so adding a variant touches its
-own module only.
+`check(config)` (`no_check` when they have nothing of their own to check), and tasks an
+optional one (data/tasks.py), which `config.validate` runs for the entries the config selects,
+so adding a variant touches its own module only.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ its `binary` flag picks the held-out metrics (data/evaluation.py), and `config.v
 `validate` here (the checks of its kind and its own `check` hook).
 
     TASKS["tldr"].reward(completion, problem)    # a float in [0, 1]
-    load_problems("hotpotqa", "hotpot_qa", subset="distractor", split="validation")
+    load_problems("hotpotqa", "hotpotqa/hotpot_qa", subset="distractor", split="validation")
 
 The shipped tasks and the modules that register them:
   synthetic              running sums, generated (data/synthetic.py); math reward, binary
