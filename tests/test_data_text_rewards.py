@@ -1,6 +1,8 @@
-"""ROUGE-L against hand-computed values and against the `rouge-score` package itself on many
-random and real-looking strings; SQuAD F1 / exact match against hand-computed values and the
-official v1.1 evaluation script's functions (copied below as the reference)."""
+"""ROUGE-L against hand-computed values, the `rouge-score` package's own test cases, and the
+package itself on random strings, real-looking ones and real prose (standard-library
+docstrings); SQuAD F1 / exact match against hand-computed values, the official v1.1
+evaluation script's functions (copied below as the reference) and transformers' SQuAD
+metrics."""
 import collections
 import random
 import re
@@ -12,7 +14,8 @@ from rouge_score import rouge_scorer
 
 from trm_jax.data import qa_exact_match, qa_f1, rouge_l
 from trm_jax.data.hotpotqa import extract_answer
-from trm_jax.data.text_rewards import lcs_length, rouge_l_scores, rouge_tokens
+from trm_jax.data.text_rewards import (lcs_length, normalize_answer, rouge_l_scores,
+                                       rouge_tokens)
 
 SCORER = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
 
@@ -98,6 +101,58 @@ def test_tokens_are_the_packages():
   assert rouge_tokens(text) == SCORER._tokenizer.tokenize(text)  # pylint: disable=protected-access
 
 
+# Cases from rouge-score's own test suite (rouge_scorer_test.py, tokenizers_test.py), with its
+# expected values: (target, prediction, precision, recall, F).
+@pytest.mark.parametrize("target,prediction,expected", [
+    ("testing one two", "testing one", (1.0, 2 / 3, 4 / 5)),     # testRougeLConsecutive
+    ("testing one two", "testing two", (1.0, 2 / 3, 4 / 5)),     # testRougeLNonConsecutive
+    ("testing one two", "", (0.0, 0.0, 0.0)),                     # testRougeEmpty
+])
+def test_rouge_l_on_the_packages_own_cases(target, prediction, expected):
+  assert rouge_l_scores(prediction, target) == pytest.approx(expected, abs=1e-15)
+
+
+def test_stems_on_the_packages_own_case():
+  # tokenizers_test.test_default_tokenizer_with_stemmer_init
+  assert rouge_tokens("the friends had a meeting") == ["the", "friend", "had", "a", "meet"]
+
+
+def _prose() -> list:
+  """Paragraphs of English prose nobody wrote for this test: the docstrings of standard-library
+  modules and of their public callables (punctuation, code, numbers, lists, all cases)."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import inspect  # pylint: disable=g-import-not-at-top
+  paras = []
+  for name in ("argparse", "csv", "difflib", "email.message", "functools", "json", "logging",
+               "pathlib", "statistics", "subprocess", "textwrap", "unittest"):
+    module = importlib.import_module(name)
+    docs = [inspect.getdoc(module)] + [inspect.getdoc(getattr(module, a)) for a in sorted(
+        dir(module)) if not a.startswith("_") and callable(getattr(module, a, None))]
+    paras += [p for d in docs if d for p in re.split(r"\n\s*\n", d) if len(p.split()) >= 5]
+  return list(dict.fromkeys(paras))
+
+
+def test_rouge_l_is_the_package_on_real_prose():
+  """Paragraph against paragraph, a paragraph against its first sentence (a lead summary),
+  against its sentences reversed, and two GovReport-sized stretches of 600+ words: every
+  score equal to the package's to the last bit, and not all of them 0 or 1."""
+  paras = _prose()
+  assert len(paras) >= 200
+  pairs = list(zip(paras[::3], paras[1::3]))
+  for p in paras[::5]:
+    sentences = re.split(r"(?<=[.!?])\s+", p)
+    pairs += [(sentences[0], p), (" ".join(reversed(sentences)), p)]
+  text = " ".join(paras)
+  words = text.split()
+  pairs.append((" ".join(words[:700]), " ".join(words[350:900])))
+  scores = set()
+  for prediction, reference in pairs:
+    got = rouge_l_scores(prediction, reference)
+    assert got == _package(prediction, reference), (prediction, reference)
+    scores.add(got[2])
+  assert len(scores) > len(pairs) // 4 and min(scores) < 0.2 and max(scores) == 1.0
+
+
 def _lcs_table(a, b):
   t = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
   for i in range(1, len(a) + 1):
@@ -171,6 +226,32 @@ def test_squad_metrics_are_the_official_script(prediction, answers):
   assert qa_f1(prediction, answers) == max(_squad_f1(prediction, a) for a in answers)
   assert qa_exact_match(prediction, answers) == float(max(_squad_em(prediction, a)
                                                            for a in answers))
+
+
+# Real-looking answers and predictions (HotpotQA-style: names, dates, numbers, yes / no).
+QA_PAIRS = [
+    ("Arthur's Magazine", ["Arthur's Magazine"]), ("the magazine Arthur's", ["Arthur's Magazine"]),
+    ("Delhi", ["Delhi, India", "New Delhi"]), ("It was founded in 1844.", ["1844"]),
+    ("yes", ["yes"]), ("No, it is not.", ["no"]), ("3,677 seated", ["3,677"]),
+    ("Chief of Protocol of the United States", ["Chief of Protocol"]),
+    ("Greenwich Village, New York City", ["Greenwich Village"]), ("  ", ["an answer"]),
+    ("The Eiffel Tower (Paris)", ["Eiffel Tower"]), ("from 1986 to 2013", ["1986 to 2013"]),
+    ("Kirsten Dunst and Tom Hanks", ["Tom Hanks", "Kirsten Dunst"]), ("U.S.A.", ["USA"]),
+]
+
+
+def test_squad_metrics_are_transformers_squad_metrics():
+  """Against a SQuAD implementation not written here: transformers' squad_metrics (the
+  SQuAD 2.0 script's compute_exact / compute_f1, whose normalisation is v1.1's). Where one side
+  normalises to nothing, 2.0 scores F1 = 1 if both are empty and v1.1 scores 0: the one
+  place the two scripts differ, asserted as such."""
+  from transformers.data.metrics import squad_metrics  # pylint: disable=g-import-not-at-top
+  for prediction, answers in QA_PAIRS:
+    assert qa_exact_match(prediction, answers) == max(
+        squad_metrics.compute_exact(a, prediction) for a in answers)
+    assert qa_f1(prediction, answers) == (0.0 if not normalize_answer(prediction) else max(
+        squad_metrics.compute_f1(a, prediction) for a in answers)), (prediction, answers)
+  assert squad_metrics.compute_f1("the", "a") == 1 and qa_f1("a", ["the"]) == 0.0
 
 
 def test_squad_metrics_need_a_list_of_answers():

@@ -18,6 +18,7 @@ The toys below are defined and registered here, in the test file, and nowhere in
     summary.json and the sweep's CSV.
 Each fixture removes its entry again, so no other test sees it.
 """
+import csv
 import dataclasses
 import json
 
@@ -303,3 +304,8 @@ def test_toy_graded_task_trains_end_to_end(toy_task, shared_run, tmp_path):
   assert row["eval/greedy_reward"] == evals[-1]["eval/greedy_reward"]
   assert row["eval_first/greedy_exact"] == evals[0]["eval/greedy_exact"]
   assert row["final/task/exact"] == steps[-1]["task/exact"]
+  with open(tmp_path / sweep.RESULTS, newline="") as f:
+    written, = csv.DictReader(f)      # the file the sweep writes: the same columns and values
+  assert {k: float(written[k]) for k in ("eval/greedy_reward", "eval_first/greedy_exact",
+                                          "final/task/exact")} == {
+      k: row[k] for k in ("eval/greedy_reward", "eval_first/greedy_exact", "final/task/exact")}
