@@ -88,7 +88,7 @@ def load_dapo_math(paths: str | Sequence[str], *, split: str = "",
       raise DataFileError(f"dapo_math {row.where}: field 'reward_model' is "
                           f"{describe(reward_model)}, expected {{ground_truth, style}}")
     answer = answer_field(row, "dapo_math", "reward_model.ground_truth",
-                     reward_model.get("ground_truth"))
+                          reward_model.get("ground_truth"))
     prompt, system = _dapo_messages(row, row.fields.get("prompt"))
     out.append(Problem(prompt=prompt, answer=answer, system=system, source="dapo_math",
                        uid=uid_of(row)))
