@@ -18,7 +18,7 @@ dense cache and with the rollouts' compressed one.
 Ten Wikipedia lead paragraphs are about 1,200 tokens, rarely above 3,000: prompts get 4096
 tokens, responses 256 (a short answer, perhaps after a sentence of reasoning). At that length
 the sampler decodes 256 of the 512 rows at a time (rollout.slots) and evaluation runs in calls
-of 64 rows. Everything else is the GSM8K run's (SMD at lambda = 0.1).
+of 32 rows. Everything else is the GSM8K run's (SMD at lambda = 0.1).
 """
 from trm_jax import config as config_lib
 
@@ -42,5 +42,6 @@ def get_config(arg=None):
 
   c.rollout.slots = 256              # rows decoding at once (continuous batching): all 512
                                      #   need 34.3 GiB per v6e chip (trm_jax.aot)
-  c.eval_batch_size = 64             # held-out rows per call (dense 4.4K-token caches)
+  c.eval_batch_size = 32             # held-out rows per call: at 64 the compressed-cache
+                                     #   evaluation needs 47.6 GiB per v6e chip (trm_jax.aot)
   return c
