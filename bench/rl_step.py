@@ -225,8 +225,7 @@ def _ours_phased_step(ctx, state):
   fl = S.dispatch_rollout(ctx, state)
   jax.block_until_ready(fl.ro.tokens)
   t.append(time.time())
-  rewards = S.rewards_of(ctx.tok, fl.ro, fl.problems, fl.pb.problem_ids,
-                         ctx.task.max_prompt_len)
+  rewards = S.rewards_of(ctx, fl.ro, fl.problems, fl.pb.problem_ids)["reward"]
   t.append(time.time())
   if "score_update" in ctx.programs.programs:
     names = ("rollout", "rewards", "learner")

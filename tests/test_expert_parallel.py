@@ -192,8 +192,8 @@ def _train(sizes, steps: int = 2):
   config_lib.check_batch_mesh(c, mesh)
   metrics = []
   with pytest.MonkeyPatch.context() as mp, jax.set_mesh(mesh):
-    mp.setattr(step_lib, "rewards_of", lambda tok, ro, problems, ids, P: np.mean(
-        np.asarray(ro.tokens)[:, P:] % 2 == 0, axis=1).astype(np.float32))
+    mp.setattr(step_lib, "rewards_of", lambda ctx, ro, problems, ids, **_: {"reward": np.mean(
+        np.asarray(ro.tokens)[:, ctx.task.max_prompt_len:] % 2 == 0, axis=1).astype(np.float32)})
     model = shd.shard_model(_model(), mesh)
     task = Task(c.task, seed=0, tokenizer=tok, eval_problems=0)
     ctx, state = step_lib.make_context(c, mesh, model, tok, task)

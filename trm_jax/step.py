@@ -355,7 +355,8 @@ def shaped_rewards(ctx: RLContext, shaping: dapo.Shaping, ro, problems, pb) -> R
                                           buffer=shaping.overlong_buffer,
                                           penalty=shaping.overlong_penalty)
   learn = finished if shaping.mask_truncated else np.ones(raw.shape, bool)
-  return Rewarded(scores=scores, raw=raw, rewards=rewards, learn=learn, lengths=lengths, finished=finished)
+  return Rewarded(scores=scores, raw=raw, rewards=rewards, learn=learn, lengths=lengths,
+                  finished=finished)
 
 
 def learner_batch(ctx: RLContext, ro, learn: Optional[np.ndarray] = None) -> LearnerBatch:
