@@ -8,8 +8,14 @@
   tiny_trm_long       a long-horizon task (running sums of 14-22 operands, 140-265-token
                       responses): the base of experiments/trm_long_horizon.py, CPU
   tiny_moe_mismatch   a Qwen3-MoE-shaped tiny policy with router jitter in the sampler
+  tiny_dapo           DAPO's dynamic sampling and overlong shaping on the main job's task
   qwen3_8b_dapo_trm   the TRM paper's run: Qwen3-8B on DAPO-Math-17k (an accelerator pod)
+  qwen3_30b_a3b_trm   the same recipe on Qwen3-30B-A3B: routing replay, experts split over
+                      mesh.expert (a TPU slice)
   qwen3_4b_smd_gsm8k  the SMD paper's run: Qwen3-4B on GSM8K (an accelerator pod)
+  qwen3_4b_smd_tldr, qwen3_4b_smd_govreport, qwen3_4b_smd_hotpotqa
+                      the SMD paper's other tasks: Reddit TL;DR and GovReport (ROUGE-L),
+                      HotpotQA (answer F1)
 
 `tiny_trm` holds every setting with its one default and a comment; the others start from it
 (`tiny_trm = config_lib.shipped_module("tiny_trm")`) and change what their experiment needs. A
