@@ -12,6 +12,7 @@
 Everything but the first test needs libtpu (`pip install -e .[tpu]`) and skips without it.
 Runtime about 40 s on 2 CPU cores, most of it the CLI's three compiles.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -85,18 +86,23 @@ def test_loop_aware_cost_counts_every_trip_and_the_kernels():
     return jax.lax.scan(outer, a, None, length=16)[0]
 
   cost = program_cost(compile_for_tpu(nested, [x, x], "v5e:2x2"))
-  assert sorted((l["trips"], l["trips_source"]) for l in cost["loops"]) == [
-      (4, "condition"), (16, "condition")]
+  assert sorted((l["trips"], l["executions"], l["source"]) for l in cost["loops"]) == [
+      (4, 64, "condition"), (16, 16, "condition")]
   assert cost["xla_flops"] == pytest.approx(mm, rel=1e-3)        # XLA: each body once
   assert cost["flops"] == pytest.approx(64 * mm, rel=1e-3)
 
-  def until(a, w):             # a data-dependent exit: the trip count cannot be read
-    cond = lambda s: (s[0] < 16) & (jnp.sum(s[1]) < 1e9)
-    return jax.lax.while_loop(cond, lambda s: (s[0] + 1, s[1] @ w), (0, a))[1]
+  def until(a, w):             # a data-dependent exit inside a scan: no trip count to read
+    def outer(c, _):
+      cond = lambda s: (s[0] < 16) & (jnp.sum(s[1]) < 1e9)
+      with jax.named_scope("until"):
+        return jax.lax.while_loop(cond, lambda s: (s[0] + 1, s[1] @ w), (0, c))[1], None
+    return jax.lax.scan(outer, a, None, length=3)[0]
 
-  cost = program_cost(compile_for_tpu(until, [x, x], "v5e:2x2"), default_trips=7)
-  assert [(l["trips"], l["trips_source"]) for l in cost["loops"]] == [(7, "assumed")]
-  assert cost["flops"] == pytest.approx(7 * mm, rel=1e-3)
+  # The bound is the body's executions over the call, not per entry of the loop.
+  cost = program_cost(compile_for_tpu(until, [x, x], "v5e:2x2"), bounds={"until": 7})
+  assert sorted((l["scope"], l["executions"], l["source"]) for l in cost["loops"])[-1] == (
+      "until", 7, "bound")
+  assert cost["flops"] == pytest.approx(7 * mm, rel=1e-3) and not cost["unbounded"]
 
   B, T, N, K, H = 1, 1024, 8, 2, 128
 
@@ -132,16 +138,77 @@ def _aot(*args, tmp_path):
       capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
 
 
-def test_loop_aware_cost_on_cpu_counts_every_trip():
-  """The CPU compiler rewrites scan conditions; its `known_trip_count` still gives the trips
-  (bench.learner's FLOP/s of the chunked learner step depends on it)."""
+def test_loop_aware_cost_on_cpu_counts_each_loop_by_its_executions():
+  """FLOPs and bytes of a program whose counts are known: a scan of 3 trips holding a
+  data-dependent loop (declared to run its body 5 times over the whole call) and a scan of 4
+  trips, each body one [n, n] matmul. 12 + 5 = 17 matmuls, not 3 x 5 + 12 (a bound is a total,
+  never multiplied by the enclosing trips). Bytes are XLA's cost model: a matmul reads two
+  [n, n] f32 operands and writes one (3 units of 4 n^2 bytes), the copy XLA:CPU puts the
+  result into the loop's carry with reads and writes one (2 units), the data-dependent loop's
+  condition reads its carry (1 unit) once per trip and once more per entry (5 + 3 times), and
+  the entry copies the input into the first carry (2 units). The CPU compiler records the
+  scans' trip counts (`known_trip_count`), as bench.learner's FLOP/s relies on."""
   from trm_jax.aot.hlo_cost import program_cost   # pylint: disable=g-import-not-at-top
-  n = 256
+  n = 128
   x = jnp.ones((n, n), jnp.float32)
-  f = lambda a, w: jax.lax.scan(lambda c, _: (c @ w, None), a, None, length=6)[0]
-  cost = program_cost(jax.jit(f).lower(x, x).compile())
-  assert [l["trips"] for l in cost["loops"]] == [6]
-  assert cost["flops"] == pytest.approx(6 * 2.0 * n ** 3, rel=1e-3)
+  mm, unit = 2.0 * n ** 3, 4.0 * n * n
+
+  def f(a, w, scope="until"):
+    def outer(c, _):
+      with jax.named_scope(scope):
+        c = jax.lax.while_loop(lambda s: (s[0] < 1000) & (jnp.sum(s[1]) < 1e30),
+                               lambda s: (s[0] + 1, s[1] @ w), (0, c))[1]
+      return jax.lax.scan(lambda c, _: (c @ w, None), c, None, length=4)[0], None
+    return jax.lax.scan(outer, a, None, length=3)[0]
+
+  compiled = jax.jit(f).lower(x, x).compile()
+  cost = program_cost(compiled, bounds={"until": 5})
+  loops = {l["scope"]: l for l in cost["loops"]}
+  assert {(l["trips"], l["executions"], l["source"]) for l in cost["loops"]} == {
+      (3, 3, "known_trip_count"), (4, 12, "known_trip_count"), (None, 5, "bound")}
+  assert loops["until"]["executions"] == 5 and not cost["unbounded"]
+  cond_flops = (5 + 3) * n * n                 # the condition's sum over the carry
+  assert cost["flops"] == pytest.approx(17 * mm + cond_flops, rel=1e-6)
+  assert cost["bytes_accessed"] == pytest.approx((2 + 17 * (3 + 2) + (5 + 3)) * unit, rel=1e-3)
+  assert cost["xla_flops"] == pytest.approx(2 * mm + n * n, rel=1e-6)   # each body once
+
+  # Without a bound the loop is counted once per entry (3 of its bodies), and says so.
+  cost = program_cost(compiled)
+  assert [l["executions"] for l in cost["loops"] if l["source"].startswith("unbounded")] == [3]
+  assert len(cost["unbounded"]) == 1
+  assert cost["flops"] == pytest.approx(15 * mm + (3 + 3) * n * n, rel=1e-6)
+  # A bound that names no loop of the program (renamed, or compiled away) is an error.
+  with pytest.raises(ValueError, match="loops matched per scope: untill: 0"):
+    program_cost(compiled, bounds={"untill": 5})
+
+
+def test_decode_schedule_is_the_samplers_own_schedule():
+  """`sampler.decode_schedule`, the bound trm_jax.aot counts the sampler's loops with, is
+  the schedule the sampler runs when no row stops early: every stage's decode steps equal
+  `RolloutStats.stage_steps` of a run without stop tokens, for every row at once over four
+  cache buckets and for continuous batching with refills (dense and compressed caches)."""
+  from model_fixtures import make_test_model   # pylint: disable=g-import-not-at-top
+  from trm_jax.rollout import BatchingConfig, CacheConfig   # pylint: disable=g-import-not-at-top
+  from trm_jax.rollout import sampler   # pylint: disable=g-import-not-at-top
+  model = make_test_model(seed=1, num_layers=1)
+  B, P, R = 12, 10, 22
+  ids = np.full((B, P), 9, np.int32)
+  lens = np.full((B,), P, np.int32)
+  cases = [(CacheConfig(), BatchingConfig(chunk=3, bucket=8)),
+           (CacheConfig(), BatchingConfig(slots=5, chunk=3, refill=2, bucket=16, tail=2)),
+           (CacheConfig(policy="snapkv", ratio=0.5, window=3, kernel=3),
+            BatchingConfig(slots=4, chunk=5, refill=1, bucket=8))]
+  for cache, batching in cases:
+    out = sampler.generate(model, ids, lens, max_new_tokens=R, key=jax.random.key(0),
+                           eos_ids=(), cache=cache, **dataclasses.asdict(batching))
+    sched = sampler.decode_schedule(B, P, R, cache, batching)
+    steps = [v for k, v in sched.items() if k.endswith("_steps")]
+    assert list(np.asarray(out.stats.stage_steps)) == steps, (cache, batching, sched)
+    assert sum(steps) == int(out.stats.decode_steps)
+    # A chunk runs at most `chunk` steps.
+    assert all(sched[k.replace("_steps", "_chunks")] >= -(-v // batching.chunk)
+               for k, v in sched.items() if k.endswith("_steps"))
+  assert len(sampler.decode_schedule(B, P, R, CacheConfig(), cases[0][1])) == 2 * 4
 
 
 @needs_libtpu
@@ -196,9 +263,16 @@ def test_tiny_smd_config_compiles_for_v5e_through_the_cli(tmp_path):
   # The learner's attention runs through the kernel (counted analytically), in a microbatch
   # scan of rl.num_microbatches trips read from the loop condition.
   assert rows["score"]["kernel_flops"] > 0 and rows["update"]["kernel_flops"] > 0
-  assert (2, "condition") in {(l["trips"], l["trips_source"]) for l in rows["update"]["loops"]}
+  assert (2, "condition") in {(l["trips"], l["source"]) for l in rows["update"]["loops"]}
   assert rep["step_roofline_s"] == pytest.approx(
       sum(r["roofline_s"] * r["calls_per_step"] for r in rows.values()))
+  # Each program compiled in a process of its own, whose peak host memory the report keeps,
+  # with the host and the commit it was compiled at.
+  assert all(r["host_peak_rss_bytes"] > 2**27 and r["process_s"] > 0 for r in rows.values())
+  assert rep["host_peak_bytes"] == (rep["host_parent_rss_bytes"] +
+                                    max(r["host_peak_rss_bytes"] for r in rows.values()))
+  assert rep["complete"] and rep["host"]["cpus"] >= 1 and len(rep["commit"]) == 40
+  assert "host memory at most" in r.stdout
 
 
 @needs_libtpu
@@ -215,7 +289,8 @@ def test_moe_config_with_routing_replay_compiles_every_program_for_v5e_2x4(tmp_p
        os.path.join(ROOT, "configs", "tiny_moe_mismatch.py"),
        "--config.rollout.routing_replay=True", "--topology", "v5e:2x4", "--out", str(out),
        f"--config.warmup.cache_dir={tmp_path / 'no_base'}", "--config.rl.batch_size=16",
-       "--config.rl.group_size=4", "--config.eval_problems=8", "--config.rl.chunk=32"],
+       "--config.rl.group_size=4", "--config.eval_problems=8", "--config.rl.chunk=32",
+       "--nosubprocess"],
       capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "model the warm-up base model's architecture (config.model.arch)" in r.stdout
@@ -226,9 +301,15 @@ def test_moe_config_with_routing_replay_compiles_every_program_for_v5e_2x4(tmp_p
   assert rows["eval_greedy"]["per"] == "evaluation" and rep["evaluation_roofline_s"] > 0
   # The learner's batch holds the routing record: int8 [B, L_moe, T, k] per row.
   assert rep["config"]["rollout"]["routing_replay"] and rep["model"]["num_experts"] == 8
-  # The sampler's decode loop exits on EOS: it is counted at its longest, R - 1 steps.
-  assert (rep["R"] - 1, "assumed") in {(l["trips"], l["trips_source"])
-                                       for l in rows["rollout"]["loops"]}
+  # The sampler's loops exit when every row has stopped: each is counted on the schedule in
+  # which no row stops early (every row at once: R - 1 decode steps over the cache buckets),
+  # never as one loop's count times another's.
+  loops = rows["rollout"]["loops"]
+  assert not rows["rollout"]["unbounded_loops"]
+  steps = [l for l in loops if l["scope"].endswith("_steps")]
+  assert all(l["source"] == "bound" for l in steps) and len(steps) == len(
+      [k for k in rep["loop_bounds"]["rollout"] if k.endswith("_steps")])
+  assert sum(l["executions"] for l in steps) == rep["R"] - 1
 
 
 @needs_libtpu
@@ -310,14 +391,22 @@ def test_program_that_does_not_fit_exits_1_naming_its_knobs(tmp_path):
     (["--programs", "rollout,train"], "error: unknown programs ['train']; this config's trainer "
      "runs ('rollout', 'score_update', 'eval_greedy', 'eval_sampled', "
      "'eval_greedy_compressed', 'eval_sampled_compressed')"),
+    # Bounded before libtpu sees it (libtpu crashes the process on this one).
+    (["--topology", "v5p:1000x1000x1000"], "error: topology 'v5p:1000x1000x1000' has "
+     "1000000000 chips; a v5p slice has 1 to 8960 (a whole pod)"),
+    # Refused before anything compiles.
+    (["--out", "{tmp}/afile/sub/r.json"], "error: --out {tmp}/afile/sub/r.json: {tmp}/afile "
+     "is a file, not a directory"),
+    (["--out", "{tmp}"], "error: --out {tmp}: is a directory; name the report file"),
 ])
 def test_bad_input_is_one_line_naming_it(tmp_path, capsys, args, msg):
   from trm_jax.aot.cli import main   # pylint: disable=g-import-not-at-top
+  (tmp_path / "afile").write_text("")
   argv = ["--config", os.path.join(ROOT, "configs", "tiny_smd.py"),
           "--topology", "v5e:2x2", "--model", _tiny_model(tmp_path),
-          "--out", str(tmp_path / "r.json"), *args]
+          "--out", str(tmp_path / "r.json"), *[a.format(tmp=tmp_path) for a in args]]
   assert main(argv) == 2
   err = capsys.readouterr().err
-  assert msg in err, err
+  assert msg.format(tmp=tmp_path) in err, err
   assert len(err.strip().splitlines()) == 1
   assert not (tmp_path / "r.json").exists()

@@ -54,7 +54,7 @@ from trm_jax.rl.learner import (LearnerBatch, LearnerConfig, make_learner, make_
 from trm_jax.rollout import BatchingConfig, CacheConfig, sampler_graphdef, sampling_config
 from trm_jax.rollout.policies import get_policy
 from trm_jax.rollout.types import DENSE
-from trm_jax.rollout.sampler import make_generate, routing_dtype
+from trm_jax.rollout.sampler import decode_schedule, make_generate, routing_dtype
 
 
 # ------------------------------------------------------------------------------------------
@@ -201,8 +201,9 @@ class Program:
   resident: Any             # train-state buffers its devices hold besides `args` meanwhile
   calls: int                # calls per RL step (per evaluation for the eval_* programs)
   per: str = "step"         # "step" | "evaluation"
-  loop_trips: Optional[int] = None   # longest trip count of its data-dependent loop (the
-                                     #   sampler's EOS-terminated decode loop: R - 1)
+  loop_bounds: Optional[Any] = None   # () -> {named scope: body executions per call} of its
+                                      #   data-dependent loops (the sampler's when no row
+                                      #   stops early: sampler.decode_schedule); AOT's
 
   def __call__(self, *args):
     with jax.set_mesh(self.mesh):
@@ -342,7 +343,8 @@ def _eval_programs(c: ml_collections.ConfigDict, graphdef: nnx.GraphDef, roll, c
                                       c.model.attn_impl),
           mesh=mesh, args=(state_a, *_abstract_prompts(chunk, mesh, P=sizes.P)),
           resident=resident, calls=-(-rows // chunk), per="evaluation",
-          loop_trips=sizes.R - 1)
+          loop_bounds=functools.partial(decode_schedule, chunk, sizes.P, sizes.R, cc,
+                                        BatchingConfig()))
   return out
 
 
@@ -409,15 +411,16 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
 
   programs = {}
 
-  def add(name, fn, on, args, resident, calls, per="step", loop_trips=None):
+  def add(name, fn, on, args, resident, calls, per="step", loop_bounds=None):
     programs[name] = Program(name=name, fn=fn, mesh=on, args=args, resident=resident,
-                             calls=calls, per=per, loop_trips=loop_trips)
+                             calls=calls, per=per, loop_bounds=loop_bounds)
 
   # Disaggregated, the sampler's devices hold only what the program takes.
   add("rollout", make_generate(roll_graphdef, roll, cache, c.model.attn_impl,
                                rollout_batching(c)), roll_mesh,
       (nnx.merge_state(roll_params, roll_rest), *prompts(B, roll_mesh)),
-      learner_resident if sampler_mesh is None else (), 1, loop_trips=R - 1)
+      learner_resident if sampler_mesh is None else (), 1,
+      loop_bounds=functools.partial(decode_schedule, B, P, R, cache, rollout_batching(c)))
   score_program = Program(name="score", fn=score, mesh=mesh, args=(params_a, rest_a, full),
                           resident=learner_resident, calls=1 + kl)
   if fused:

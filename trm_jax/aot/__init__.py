@@ -22,20 +22,28 @@ only the topology's devices and abstract arrays (as MaxText's train_compile does
   eval_*         the held-out evaluations (greedy, sampled with eval_samples, and under the
                  rollout's cache policy), once per evaluation.
 
-For each program it prints a progress line and records, per device (per chip; v4 exposes two
-devices per chip, each with half the chip): XLA's `memory_analysis()` (arguments, outputs,
-temporaries, generated code, donated bytes), the train-state buffers that stay resident
-across the program (AdamW's moments during rollout and score, the full rollout batch during
-the minibatch updates), their total against the chip's HBM, FLOPs and bytes accessed with
-loops counted per trip (`trm_jax.aot.hlo_cost`; XLA's own `cost_analysis()` counts a loop body
-once and is kept beside them), and a roofline lower bound on its time,
-max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth), from the public chip figures in
-`trm_jax.aot.tpu.CHIPS`. The step bound sums the step's programs times their calls per step
-(the evaluation's bound likewise, per evaluation); a sampler's bound assumes every row runs to
-task.max_new_tokens (the decode loop's longest trip count).
+Each program compiles in a subprocess of its own, one at a time, so that its host memory is
+released before the next (`--nosubprocess` compiles them all in one process); while one
+compiles, a line every minute says how long and how much host memory it holds, and the report
+is rewritten after each program. For each program the report records, per device (per chip;
+v4 exposes two devices per chip, each with half the chip): XLA's `memory_analysis()`
+(arguments, outputs, temporaries, generated code, donated bytes), the train-state buffers
+that stay resident across the program (AdamW's moments during rollout and score, the full
+rollout batch during the minibatch updates), their total against the chip's HBM, FLOPs and
+bytes accessed with every loop body counted as many times as it runs (`trm_jax.aot.hlo_cost`;
+XLA's own `cost_analysis()` counts a loop body once and is kept beside them), and a roofline
+lower bound on its time, max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth), from the public
+chip figures in `trm_jax.aot.tpu.CHIPS`; and the compile's wall time and its process's peak
+host memory. The step bound sums the step's programs times their calls per step (the
+evaluation's bound likewise, per evaluation). Loops with a trip count (scans over
+microbatches, vocabulary chunks) count it exactly; the sampler's loops end when every row has
+stopped, and are counted on the schedule in which every row generates task.max_new_tokens
+(`rollout.sampler.decode_schedule`, stated in the report's `loop_bounds`): the most a rollout
+can generate. The report also names the host and the git commit it was compiled at.
 
 A program that does not fit (XLA refuses it, or it plus the resident state exceeds HBM) makes
-the tool exit with status 1 after naming the knobs that change that program's memory.
+the tool exit with status 1 after naming the knobs that change that program's memory; one
+whose compiler process dies (e.g. killed for host memory) with status 3, after the others.
 
 The model: `--model` (a published name in KNOWN_MODELS, a checkpoint directory or a
 config.json), else config.model.path's config.json, else a published model named by the config

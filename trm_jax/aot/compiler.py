@@ -251,13 +251,15 @@ def measure(program: programs_lib.Program, *, chip, devices_per_chip: int,
     os.makedirs(hlo_dir, exist_ok=True)
     with open(os.path.join(hlo_dir, f"{name}.hlo.txt"), "w") as f:
       f.write(text)
-  cost = hlo_cost.hlo_text_cost(text, default_trips=program.loop_trips, xla=xla)
+  bounds = program.loop_bounds and program.loop_bounds()
+  cost = hlo_cost.hlo_text_cost(text, bounds=bounds, xla=xla)
   cost["flops"] += kernel_flops
   cost["kernel_flops"] += kernel_flops
-  row["collective_bytes"] = hlo_cost.collective_bytes(text, default_trips=program.loop_trips)
+  row["collective_bytes"] = hlo_cost.collective_bytes(text, bounds=bounds)
   row.update(flops=cost["flops"], bytes_accessed=cost["bytes_accessed"],
              kernel_flops=cost["kernel_flops"], xla_flops=cost["xla_flops"],
-             xla_bytes_accessed=cost["xla_bytes"], loops=cost["loops"])
+             xla_bytes_accessed=cost["xla_bytes"], loops=cost["loops"],
+             unbounded_loops=cost["unbounded"])
   t_compute, t_memory = cost["flops"] / peak, cost["bytes_accessed"] / bw
   row.update(roofline_s=max(t_compute, t_memory), compute_s=t_compute, memory_s=t_memory,
              bound="compute" if t_compute >= t_memory else "memory")
@@ -266,10 +268,16 @@ def measure(program: programs_lib.Program, *, chip, devices_per_chip: int,
 
 def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
                    programs: Optional[Sequence[str]] = None, hlo_dir: str = "",
-                   gpu_mem_fraction: float = 0.75,
-                   log: Callable[[str], None] = print) -> dict:
-  """Compiles `programs` (default: every program the trainer runs for `c`) for `topology`;
-  returns the report (see main)."""
+                   gpu_mem_fraction: float = 0.75, log: Callable[[str], None] = print,
+                   compile_one: Optional[Callable[[str], dict]] = None,
+                   on_row: Optional[Callable[[dict], None]] = None) -> dict:
+  """Compiles `programs` (default: every program the trainer runs for `c`) for `topology`,
+  one at a time; returns the report (see main).
+
+  compile_one(name) -> row compiles one program (`cli` runs each in a subprocess of its own,
+  so that its host memory is released before the next); default `measure` in this process.
+  on_row(report) gets the report after each program (`cli` writes it, so that a run cut
+  short keeps the programs it finished)."""
   validate(c)
   platform = platform_of(topology)
   if platform == "gpu":
@@ -299,19 +307,59 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
     log(f"[aot] sampler on {s.sync['sampler_devices']} devices of its own: each rollout copies "
         f"{s.sync['bytes_per_rollout'] / GiB:.2f} GiB of {s.sync['dtype']} parameters "
         f"({s.sync['bytes_per_sampler_device'] / GiB:.2f} GiB per sampler device)")
-  rows = []
-  for name in programs or names:
-    log(f"[aot] {name}: compiling ...")
+  mem_fraction = gpu_mem_fraction if platform == "gpu" else 1.0
+
+  def measure_here(name: str) -> dict:
     moe = moe_analytic(c, s, s.programs[name])
     # On TPU the experts' grouped matmuls are Mosaic kernels (expert_parallel.grouped_matmul),
     # which XLA's cost analysis counts as 0 FLOPs: they are counted analytically.
     row = measure(s.programs[name], chip=chip, devices_per_chip=per_chip, hlo_dir=hlo_dir,
-                  mem_fraction=gpu_mem_fraction if platform == "gpu" else 1.0,
+                  mem_fraction=mem_fraction,
                   kernel_flops=moe["grouped_matmul_flops"] if moe and platform == "tpu" else 0)
     row["all_to_all_analytic_bytes"] = moe and moe["all_to_all_bytes"]
+    return row
+  compile_one = compile_one or measure_here
+  report = {
+      "what": "per-device memory and loop-aware cost of the trainer's programs "
+              "(programs.build), compiled ahead of time for a TPU slice or GPU node "
+              "(trm_jax.aot)",
+      "topology": topology, "platform": platform, "devices": len(devices),
+      "devices_per_chip": per_chip,
+      "gpu_mem_fraction": gpu_mem_fraction if platform == "gpu" else None,
+      "chip": dataclasses.asdict(chip), "mesh": dict(s.mesh.shape),
+      "model": dataclasses.asdict(s.mcfg), "P": s.P, "R": s.R, "attn_impl": s.impl,
+      "config": json.loads(c.to_json_best_effort()),
+      "jax_version": jax.__version__, "libtpu_version": package_version("libtpu"),
+      "cuda_plugin_version": package_version("jax-cuda12-plugin"),
+      "loop_bounds": {p.name: p.loop_bounds() for p in s.programs if p.loop_bounds},
+      "loop_bounds_assume": SAMPLER_BOUND,
+      "programs": [], "complete": False, "sync": s.sync,
+      "sampler_mesh": dict(s.programs["rollout"].mesh.shape)}
+  calls = {p.name: {"program": p.name, "calls_per_step": p.calls, "per": p.per}
+           for p in s.programs}
+  for name in programs or names:
+    log(f"[aot] {name}: compiling ...")
+    row = {**calls[name], **compile_one(name)}
     log("[aot] " + describe(row))
-    rows.append(row)
-  fit = all(r["fits"] for r in rows)
+    report["programs"].append(row)
+    report.update(summary(report["programs"]), wall_s=round(time.time() - t0, 1))
+    if on_row:
+      on_row(report)
+  report["complete"] = True
+  return report
+
+
+# What the sampler's data-dependent loops are counted with (sampler.decode_schedule).
+SAMPLER_BOUND = ("the sampler's loops (decode steps, chunks per cache bucket) are counted on "
+                 "the schedule in which every row decodes task.max_new_tokens tokens (no row "
+                 "stops early): the most a rollout can generate")
+
+
+def summary(rows: Sequence[dict]) -> dict:
+  """fits, the roofline of one step and of one evaluation (each program's bound times its
+  calls; only when every row fits), and the collective bytes of one step, of the rows
+  compiled so far."""
+  fit = all(r.get("fits") is True for r in rows)
 
   def roofline(per: str):
     return (sum(r["roofline_s"] * r["calls_per_step"] for r in rows if r["per"] == per)
@@ -327,24 +375,10 @@ def compile_config(c: ml_collections.ConfigDict, topology: str, hf: dict, *,
       kinds = sorted({k for r in step for k in r[field]})
       return {k: sum(r[field].get(k, 0.0) * r["calls_per_step"] for r in step) for k in kinds}
     return sum(r[field] * r["calls_per_step"] for r in step)
-  return {
-      "what": "per-device memory and loop-aware cost of the trainer's programs "
-              "(programs.build), compiled ahead of time for a TPU topology (trm_jax.aot)",
-      "topology": topology, "platform": platform, "devices": len(devices),
-      "devices_per_chip": per_chip,
-      "gpu_mem_fraction": gpu_mem_fraction if platform == "gpu" else None,
-      "chip": dataclasses.asdict(chip), "mesh": dict(s.mesh.shape),
-      "model": dataclasses.asdict(s.mcfg), "P": s.P, "R": s.R, "attn_impl": s.impl,
-      "config": json.loads(c.to_json_best_effort()),
-      "jax_version": jax.__version__, "libtpu_version": package_version("libtpu"),
-      "cuda_plugin_version": package_version("jax-cuda12-plugin"),
-      "programs": rows, "fits": fit, "step_roofline_s": roofline("step"),
-      "evaluation_roofline_s": roofline("evaluation"),
-      "collective_bytes_per_step": per_step("collective_bytes"),
-      "all_to_all_analytic_bytes_per_step": per_step("all_to_all_analytic_bytes"),
-      "sync": s.sync,
-      "sampler_mesh": dict(s.programs["rollout"].mesh.shape),
-      "wall_s": round(time.time() - t0, 1)}
+  return {"fits": fit, "failed": [r["program"] for r in rows if "failed" in r],
+          "step_roofline_s": roofline("step"), "evaluation_roofline_s": roofline("evaluation"),
+          "collective_bytes_per_step": per_step("collective_bytes"),
+          "all_to_all_analytic_bytes_per_step": per_step("all_to_all_analytic_bytes")}
 
 
 def moe_analytic(c: ml_collections.ConfigDict, s: Setup,
@@ -380,6 +414,8 @@ def moe_analytic(c: ml_collections.ConfigDict, s: Setup,
 
 def describe(row: dict) -> str:
   name = row["program"]
+  if "failed" in row:
+    return f"{name}: NOT COMPILED: {row['failed']}"
   if "error" in row:
     return f"{name}: does NOT fit: {row['error']} ({row['compile_s']}s)"
   fit = "fits" if row["fits"] else "does NOT fit"

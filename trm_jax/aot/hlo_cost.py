@@ -5,15 +5,22 @@
 whatever its trip count, and a Mosaic kernel (a `tpu_custom_call`) counts zero FLOPs. For a
 roofline of a training step both matter, so `program_cost` re-counts:
 
-  * each while body is costed on its own (XLA's HloCostAnalysis on the module re-rooted at
-    that computation) and multiplied by its trip count, recursively for nested loops;
-  * the trip count is XLA's `known_trip_count` where the compiler recorded one (the CPU
-    compiler does), else read from the loop when its condition is `counter < constant` and
-    its body adds a constant step (what `lax.scan`, `fori_loop` and XLA's windowed einsums
-    lower to; the start is the initial tuple's constant, else 0). A loop of the program with
-    any other condition (the sampler's `index < T - 1 and not all done`) takes `default_trips`
-    from the caller; the result says which loops were read, which assumed, and which (none
-    expected) could only be counted once;
+  * each computation is costed on its own (XLA's HloCostAnalysis on the module re-rooted at
+    that computation) and multiplied by the number of times it runs in one call of the
+    program: its *executions*;
+  * a loop's body runs (its parent's executions) x (its trip count) times when the trip count
+    is known: XLA's `known_trip_count` where the compiler recorded one (the CPU compiler
+    does), else read from the loop when its condition is `counter < constant` and its body
+    adds a constant step (what `lax.scan`, `fori_loop` and XLA's windowed einsums lower to;
+    the start is the initial tuple's constant, else 0). These counts are exact;
+  * a loop whose exit depends on data (the sampler's `any row still decoding`) has no trip
+    count. The program that wrote it declares, per loop, how many times its body runs in one
+    call at most (`bounds`: the loop's `jax.named_scope` -> executions; the sampler's
+    `decode_schedule`, from the config's sizes). That count replaces (parent executions x
+    trips): bounds are totals over the call, never multiplied by another count. A
+    data-dependent loop with no declared bound is counted once per entry and says so
+    (`unbounded` in the result);
+  * a conditional counts its most expensive branch each time it runs (XLA's rule);
   * the TPU attention kernels (`vis_flash_tpu_fwd`, `_bwd_dq`, `_bwd_dkdv`, see
     kernels/flash_attention_tpu.py) are counted analytically from their per-chip operand
     shapes: 2, 3 and 4 matmuls of 2*B*N*H*T^2/2 FLOPs (causal half; the kernel skips blocks
@@ -33,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
+from typing import Mapping, Optional
 
 # Matmuls per attention kernel call (forward: q k^T and p v; dq: s, dO v^T, dS k; dk/dv: s^T,
 # p^T dO, v dO^T, dS^T q).
@@ -57,11 +64,14 @@ class Loop:
   """One while loop of the program."""
   body: str               # computation name
   parent: str             # computation holding the while
-  trips: int              # iterations counted
-  trips_source: str       # "condition" (read from the loop), "assumed" (default_trips) or
-                          #   "unknown (counted once)"
-  body_flops: float = 0.0   # one iteration, nested loops included
-  body_bytes: float = 0.0
+  scope: str              # the named scope the program wrote it in ("" for XLA's own loops)
+  trips: Optional[int]    # iterations per entry when known (None: data-dependent)
+  executions: int         # times its body runs in one call of the program
+  source: str             # "known_trip_count" (XLA's), "condition" (read from the loop),
+                          #   "bound" (declared by the program, see `bounds`) or
+                          #   "unbounded (once per entry)"
+  flops: float = 0.0      # everything its body runs over those executions (nested loops
+  bytes: float = 0.0      #   and kernels included)
 
 
 def _computations(text: str) -> tuple[dict[str, list[str]], dict[str, str], str]:
@@ -154,15 +164,16 @@ def _gte_index(defs: dict[str, str], name: str) -> Optional[int]:
 
 
 def _trip_count(cond: list[str], body: list[str], parent: list[str],
-                while_line: str) -> Optional[int]:
-  """Trips of a loop whose condition is `counter < N` (N a constant), whose body adds a
-  constant step to the counter, and whose counter starts at a constant (0 when the start is
-  not a visible constant: what lax.scan and fori_loop lower to). None otherwise. XLA's own
-  analysis, when it wrote one into the loop's backend config (`known_trip_count`, as the CPU
-  compiler does for loops whose condition it rewrote), comes first."""
+                while_line: str) -> Optional[tuple[int, str]]:
+  """(trips, how they were found) of a loop whose trip count is known: XLA's own analysis
+  when it wrote one into the loop's backend config ("known_trip_count", as the CPU compiler
+  does for loops whose condition it rewrote), else read from a condition `counter < N` (N a
+  constant) whose body adds a constant step to the counter, the counter starting at a
+  constant (0 when the start is not a visible constant: what lax.scan and fori_loop lower
+  to), "condition". None otherwise (a data-dependent exit)."""
   known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', while_line)
   if known:
-    return int(known.group(1))
+    return int(known.group(1)), "known_trip_count"
   cdefs = _defs(cond)
   root = next((l for l in cond if l.lstrip().startswith("ROOT ")), "")
   m = re.search(r"compare\(%([\w.\-]+), %([\w.\-]+)\), direction=LT", root)
@@ -191,7 +202,20 @@ def _trip_count(cond: list[str], body: list[str], parent: list[str],
     elems = _operands(pdefs.get(init[0], ""), "tuple")
     if index < len(elems) and _const(pdefs, elems[index]) is not None:
       start = _const(pdefs, elems[index])
-  return max(0, -(-(limit - start) // step))
+  return max(0, -(-(limit - start) // step)), "condition"
+
+
+def _executions(known: Optional[tuple[int, str]], bound: Optional[int],
+                runs: int) -> tuple[Optional[int], int, str]:
+  """(trips per entry or None, body executions over the call, source) of a while loop whose
+  parent runs `runs` times: `known` is `_trip_count`'s (trips, source), `bound` the total the
+  program declared for a data-dependent loop (never multiplied by `runs`); a data-dependent
+  loop with neither is counted once per entry."""
+  if known is not None:
+    return known[0], runs * known[0], known[1]
+  if bound is not None:
+    return None, bound, "bound"
+  return None, runs, "unbounded (once per entry)"
 
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
@@ -255,27 +279,46 @@ def _triton_kernel_cost(line: str, kernel: str) -> tuple[float, float]:
   return TRITON_KERNEL_MATMULS[kernel] * 2.0 * B * N * H * T * T / 2, nbytes
 
 
-def program_cost(compiled, *, default_trips: Optional[int] = None) -> dict:
-  """Loop-aware FLOPs and bytes accessed of a `jax.stages.Compiled` (per device).
-
-  Returns a dict: flops, bytes_accessed (loops per trip, kernels included), xla_flops and
-  xla_bytes (`cost_analysis()` as XLA reports it), kernel_flops, and loops (one dict per
-  while loop: body, trips, how the trip count was found, one iteration's flops and bytes).
-  """
+def program_cost(compiled, *, bounds: Optional[Mapping[str, int]] = None) -> dict:
+  """Loop-aware FLOPs and bytes accessed of a `jax.stages.Compiled` (per device); `bounds`
+  as in `hlo_text_cost`."""
   text = compiled.runtime_executable().hlo_modules()[0].to_string()
   xla = compiled.cost_analysis() or {}
   del compiled
-  return hlo_text_cost(text, default_trips=default_trips, xla=xla)
+  return hlo_text_cost(text, bounds=bounds, xla=xla)
 
 
-def hlo_text_cost(text: str, *, default_trips: Optional[int] = None,
+def loop_scope(while_line: str) -> tuple[str, bool]:
+  """(the named scope a while loop was written in, whether the program wrote it) from its
+  op_name: ".../decode_bucket640_chunks/while" -> ("decode_bucket640_chunks", True). XLA's own loops
+  (windowed einsums, a scatter's expansion) name the op they implement, not "while"."""
+  op = re.search(r'op_name="([^"]*)"', while_line)
+  parts = op.group(1).split("/") if op else []
+  if not parts or parts[-1] != "while":
+    return "", False
+  return (parts[-2] if len(parts) > 1 else ""), True
+
+
+def hlo_text_cost(text: str, *, bounds: Optional[Mapping[str, int]] = None,
                   xla: Optional[dict] = None) -> dict:
-  """`program_cost` of an optimized HLO module's text (`Compiled.as_text()`); `xla` is the
-  program's own `cost_analysis()`, reported beside (empty: those fields are 0)."""
+  """`program_cost` of an optimized HLO module's text (`Compiled.as_text()`).
+
+  bounds: named scope -> how many times the body of the data-dependent while loop written in
+    that scope runs in one call of the program (its total over the call, whatever encloses
+    it). A bound that matches no loop of the program, or more than one, is an error: the
+    compiler renamed or duplicated it, and the count would be wrong.
+  xla: the program's own `cost_analysis()`, reported beside (empty: those fields are 0).
+
+  Returns a dict: flops, bytes_accessed (every loop body times its executions, kernels
+  included), kernel_flops, xla_flops and xla_bytes (XLA's counts, each loop body once), loops
+  (one `Loop` dict per while loop), unbounded (the bodies of data-dependent loops counted
+  once per entry for want of a bound).
+  """
   from jax._src.lib import _jax   # pylint: disable=g-import-not-at-top
   from jaxlib import _hlo        # pylint: disable=g-import-not-at-top
   import jax                     # pylint: disable=g-import-not-at-top
 
+  bounds = dict(bounds or {})
   comps, headers, entry = _computations(text)
   client = jax.devices("cpu")[0].client
   xla_cache: dict[str, tuple[float, float]] = {}
@@ -290,23 +333,18 @@ def hlo_text_cost(text: str, *, default_trips: Optional[int] = None,
                          max(float(c.get("bytes accessed", 0.0)), 0.0))
     return xla_cache[name]
 
-  loops: list[Loop] = []
-
-  def walk(name: str, seen: frozenset) -> tuple[list[tuple[str, Optional[int], bool]], float,
-                                                 float]:
-    """(while loops reachable without entering a loop body as (body, trip count or None,
-    written in the program), kernel FLOPs, kernel bytes) of computation `name` and the
-    computations it calls."""
+  def walk(name: str, seen: frozenset) -> tuple[list[tuple], float, float]:
+    """(while loops reachable without entering a loop body as (condition, body, named
+    scope, (trips, source) or None, written in the program), kernel FLOPs, kernel bytes) of
+    computation `name` and the computations it calls."""
     found, kflops, kbytes = [], 0.0, 0.0
     for line in comps.get(name, ()):
       w = _WHILE.search(line)
       if w:
-        # A loop written in the program (lax.while_loop / scan) says so in its metadata;
-        # XLA's own loops (windowed einsums around collectives) name the op they split.
-        op = re.search(r'op_name="([^"]*)"', line)
-        trips = _trip_count(comps.get(w.group(1), []), comps.get(w.group(2), []),
-                            comps[name], line)
-        found.append((w.group(2), trips, bool(op) and op.group(1).endswith("/while")))
+        scope, written = loop_scope(line)
+        found.append((w.group(1), w.group(2), scope,
+                      _trip_count(comps.get(w.group(1), []), comps.get(w.group(2), []),
+                                  comps[name], line), written))
         continue
       f, b = kernel_cost(line)
       kflops, kbytes = kflops + f, kbytes + b
@@ -319,33 +357,45 @@ def hlo_text_cost(text: str, *, default_trips: Optional[int] = None,
           found, kflops, kbytes = found + sub, kflops + f, kbytes + b
     return found, kflops, kbytes
 
-  def total(name: str) -> tuple[float, float, float]:
-    """(flops, bytes, kernel flops) of one execution of computation `name`, loops expanded
-    and kernels included."""
-    flops, nbytes = xla_cost(name)
+  loops: list[Loop] = []
+  used: dict[str, int] = {}
+
+  def total(name: str, runs: int) -> tuple[float, float, float]:
+    """(flops, bytes, kernel flops) of `runs` executions of computation `name`, its loops
+    expanded and kernels included."""
+    once_flops, once_bytes = xla_cost(name)
     whiles, kflops, kbytes = walk(name, frozenset({name}))
-    flops, nbytes = flops + kflops, nbytes + kbytes
-    for body, trips, written in whiles:
-      source = "condition"
-      if trips is None and written and default_trips:
-        trips, source = default_trips, "assumed"
-      elif trips is None:
-        trips, source = 1, "unknown (counted once)"
-      b_flops, b_bytes, b_kernel = total(body)
-      once_flops, once_bytes = xla_cost(body)
-      loops.append(Loop(body=body, parent=name, trips=trips, trips_source=source,
-                        body_flops=b_flops, body_bytes=b_bytes))
-      flops += trips * b_flops - once_flops
-      nbytes += trips * b_bytes - once_bytes
-      kflops += trips * b_kernel
+    flops, nbytes = runs * (once_flops + kflops), runs * (once_bytes + kbytes)
+    kflops *= runs
+    for cond, body, scope, known, written in whiles:
+      declared = written and scope in bounds
+      used[scope] = used.get(scope, 0) + declared
+      trips, execs, source = _executions(known, bounds[scope] if declared else None, runs)
+      b_flops, b_bytes, b_kernel = total(body, execs)
+      # XLA's count of `name` holds one pass of the body and one of the condition per
+      # execution of `name`; the condition runs once more per entry than the body.
+      body_flops, body_bytes = xla_cost(body)
+      cond_flops, cond_bytes = xla_cost(cond)
+      b_flops, b_bytes = b_flops + execs * cond_flops, b_bytes + execs * cond_bytes
+      flops += b_flops - runs * body_flops
+      nbytes += b_bytes - runs * body_bytes
+      kflops += b_kernel
+      loops.append(Loop(body=body, parent=name, scope=scope, trips=trips, executions=execs,
+                        source=source, flops=b_flops, bytes=b_bytes))
     return flops, nbytes, kflops
 
-  flops, nbytes, kflops = total(entry)
+  flops, nbytes, kflops = total(entry, 1)
+  wrong = {k: used.get(k, 0) for k in bounds if used.get(k, 0) != 1}
+  if wrong:
+    raise ValueError("declared loop bounds must each match one data-dependent while loop "
+                     "of the program; loops matched per scope: " +
+                     ", ".join(f"{k}: {n}" for k, n in sorted(wrong.items())))
   xla = xla or {}
   return {"flops": flops, "bytes_accessed": nbytes, "kernel_flops": kflops,
           "xla_flops": float(xla.get("flops", 0.0)),
           "xla_bytes": float(xla.get("bytes accessed", 0.0)),
-          "loops": [dataclasses.asdict(l) for l in loops]}
+          "loops": [dataclasses.asdict(l) for l in loops],
+          "unbounded": [l.body for l in loops if l.source.startswith("unbounded")]}
 
 
 # Collective ops and how many bytes one call moves per device, for `collective_bytes`.
@@ -355,9 +405,10 @@ _COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (.*?) (" + "|".join(COLLECT
                          r")(-start)?\((.*)$")
 
 
-def collective_bytes(text: str, *, default_trips: Optional[int] = None) -> dict:
-  """Bytes each kind of collective moves per device in one run of an optimized HLO module,
-  every while loop counted per trip (trip counts as in `hlo_text_cost`).
+def collective_bytes(text: str, *, bounds: Optional[Mapping[str, int]] = None) -> dict:
+  """Bytes each kind of collective moves per device in one call of an optimized HLO module,
+  every while loop's body counted by its executions (trip counts, and `bounds` for
+  data-dependent loops, as in `hlo_text_cost`).
 
   A collective counts its result (an async `-start` its largest buffer): what a device holds
   after an all-gather or all-to-all, the buffer an all-reduce sums. A `ragged-all-to-all`
@@ -365,8 +416,9 @@ def collective_bytes(text: str, *, default_trips: Optional[int] = None) -> dict:
   balanced (an MoE dispatch sends its m * k pairs into a buffer of n * m * k rows, and the
   return sends them back into m * k rows); the rows it moves are data-dependent.
   """
+  bounds = dict(bounds or {})
   comps, _, entry = _computations(text)
-  cache: dict[str, dict] = {}
+  cache: dict[tuple[str, int], dict] = {}
 
   def buffers(rhs: str) -> list[int]:
     """Bytes of each array of an instruction's result (an async start's tuple holds its
@@ -374,25 +426,24 @@ def collective_bytes(text: str, *, default_trips: Optional[int] = None) -> dict:
     result = rhs.split(" ", 1)[0] if not rhs.startswith("(") else rhs[:rhs.rindex(")") + 1]
     return [_nbytes(s) for s in re.findall(r"\w+\[[\d,]*\]", result)]
 
-  def count(name: str) -> dict:
-    if name in cache:
-      return cache[name]
-    cache[name] = out = {}
+  def count(name: str, runs: int) -> dict:
+    """Bytes per kind of `runs` executions of computation `name`."""
+    if (name, runs) in cache:
+      return cache[name, runs]
+    cache[name, runs] = out = {}
     lines = comps.get(name, ())
     defs = _defs(lines)
 
-    def add(kind, n, times=1):
-      out[kind] = out.get(kind, 0) + n * times
+    def add(kind, n):
+      out[kind] = out.get(kind, 0) + n
     for line in lines:
       w = _WHILE.search(line)
       if w:
-        op = re.search(r'op_name="([^"]*)"', line)
-        trips = _trip_count(comps.get(w.group(1), []), comps.get(w.group(2), []), lines, line)
-        if trips is None:
-          trips = default_trips if (default_trips and op and op.group(1).endswith("/while")) \
-              else 1
-        for kind, n in count(w.group(2)).items():
-          add(kind, n, trips)
+        scope, written = loop_scope(line)
+        known = _trip_count(comps.get(w.group(1), []), comps.get(w.group(2), []), lines, line)
+        _, execs, _ = _executions(known, bounds.get(scope) if written else None, runs)
+        for kind, n in count(w.group(2), execs).items():
+          add(kind, n)
         continue
       m = _COLLECTIVE.match(line)
       if m:
@@ -405,15 +456,15 @@ def collective_bytes(text: str, *, default_trips: Optional[int] = None) -> dict:
             first = re.findall(r"%([\w.\-]+)", m.group(4))[:1]
             if first and first[0] in defs:
               nbytes = min(nbytes, max(buffers(defs[first[0]]), default=nbytes))
-        add(m.group(2), nbytes)
+        add(m.group(2), runs * nbytes)
         continue
       called = _CALLS.findall(line)
       for br in _BRANCHES.findall(line):
         called += [c.strip().lstrip("%") for c in br.split(",") if c.strip()]
       for c in called:
         if c in comps and c != name:
-          for kind, n in count(c).items():
+          for kind, n in count(c, runs).items():
             add(kind, n)
     return out
 
-  return {k: float(v) for k, v in count(entry).items()}
+  return {k: float(v) for k, v in count(entry, 1).items()}

@@ -34,15 +34,20 @@ class ChipSpec:
   hbm_bytes: int            # HBM capacity per chip
   peak_bf16_flops: float    # peak dense bf16 FLOP/s per chip
   hbm_bytes_per_s: float    # HBM bandwidth per chip
+  max_chips: int            # chips in a whole pod: the largest slice
   source: str
 
 
 # cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}, "key specifications" tables (read 2025).
 CHIPS = {
-    "v4": ChipSpec("v4", 32 * 2**30, 275e12, 1200e9, "https://cloud.google.com/tpu/docs/v4"),
-    "v5e": ChipSpec("v5e", 16 * 2**30, 197e12, 819e9, "https://cloud.google.com/tpu/docs/v5e"),
-    "v5p": ChipSpec("v5p", 95 * 2**30, 459e12, 2765e9, "https://cloud.google.com/tpu/docs/v5p"),
-    "v6e": ChipSpec("v6e", 32 * 2**30, 918e12, 1638e9, "https://cloud.google.com/tpu/docs/v6e"),
+    "v4": ChipSpec("v4", 32 * 2**30, 275e12, 1200e9, 4096,
+                   "https://cloud.google.com/tpu/docs/v4"),
+    "v5e": ChipSpec("v5e", 16 * 2**30, 197e12, 819e9, 256,
+                    "https://cloud.google.com/tpu/docs/v5e"),
+    "v5p": ChipSpec("v5p", 95 * 2**30, 459e12, 2765e9, 8960,
+                    "https://cloud.google.com/tpu/docs/v5p"),
+    "v6e": ChipSpec("v6e", 32 * 2**30, 918e12, 1638e9, 256,
+                    "https://cloud.google.com/tpu/docs/v6e"),
 }
 
 
@@ -56,11 +61,18 @@ def chip_spec(topology: str) -> ChipSpec:
 
 
 def topology_chips(topology: str) -> int:
-  """Chips in a topology name ("v5p:4x4x4" -> 64)."""
+  """Chips in a topology name ("v5p:4x4x4" -> 64), after checking that the name's generation
+  is known and that a pod of it has that many chips (libtpu is not asked about a larger one:
+  it crashes the process on some, e.g. v5p:1000x1000x1000)."""
+  spec = chip_spec(topology)
   m = re.fullmatch(r"[^:]+:(\d+(?:x\d+)*)", topology)
   if not m:
     raise ValueError(f"topology {topology!r} is not of the form GEN:AxB[xC], e.g. v5e:2x2")
-  return math.prod(int(d) for d in m.group(1).split("x"))
+  n = math.prod(int(d) for d in m.group(1).split("x"))
+  if not 1 <= n <= spec.max_chips:
+    raise ValueError(f"topology {topology!r} has {n} chips; a {spec.name} slice has 1 to "
+                     f"{spec.max_chips} (a whole pod)")
+  return n
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,6 +80,7 @@ def topology_devices(topology: str) -> tuple:
   """Every device (chip, or core where the generation exposes cores) of a named topology."""
   if not libtpu_available():
     raise RuntimeError(f"AOT compile for {topology!r} needs libtpu: pip install -e '.[tpu]'")
+  topology_chips(topology)   # bounded before libtpu sees it
   # A machine without TPUs has no multi-process lock to coordinate; without this libtpu
   # aborts with "Internal error when accessing libtpu multi-process lockfile".
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

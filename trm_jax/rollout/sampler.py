@@ -72,6 +72,7 @@ import numpy as np
 from flax import nnx, struct
 
 from trm_jax import rng
+from trm_jax import sharding as shd
 from trm_jax.kernels.visibility import NEVER_EVICTED, Visibility
 from trm_jax.models import kv_cache
 from trm_jax.models.decoder import abstract_model
@@ -361,13 +362,32 @@ def _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg: SamplingConfig
   start = P - prompt_lengths                                          # [B]
   valid = jnp.arange(P, dtype=jnp.int32)[None, :] >= start[:, None]   # [B, P]
   keep, budget = kv.row_budgets(ccfg, prompt_lengths, P, R)           # [B], [B]
-  policy = eviction.CacheEviction(ccfg, length=P + R, prompt_len=P,
-                                  prompt_slots=kv.prompt_slots(ccfg, P, R),
-                                  total_slots=kv.num_slots(ccfg, P, R), rand_key=k_evict)
-  return _Call(model=model, scfg=scfg, bcfg=bcfg, policy=policy, S=S, refill=refill,
+  return _Call(model=model, scfg=scfg, bcfg=bcfg, policy=_eviction(ccfg, P, R, k_evict),
+               S=S, refill=refill,
                start=start, valid=valid, keep=keep, budget=budget,
                s_sample=rng.seed(k_sample), s_noise=rng.seed(k_noise), k_router=k_router,
                attn_impl=attn_impl)
+
+
+def _eviction(ccfg: CacheConfig, P: int, R: int, rand_key=None) -> eviction.CacheEviction:
+  """The cache policy of a call with prompt bucket P and R new tokens (slot arrays unset)."""
+  return eviction.CacheEviction(ccfg, length=P + R, prompt_len=P,
+                                prompt_slots=kv.prompt_slots(ccfg, P, R),
+                                total_slots=kv.num_slots(ccfg, P, R), rand_key=rand_key)
+
+
+def _stage_sizes(policy: eviction.CacheEviction, bcfg: BatchingConfig) -> Tuple[int, ...]:
+  """The cache sizes of the decode loop's stages, smallest first (`cache.slot_buckets`). A
+  stage below what a freshly loaded row fills in one chunk (its prompt's slots, then one
+  chunk's keys) could neither run a chunk nor hold the prompts its refills load."""
+  C = policy.total_slots
+  return kv.slot_buckets(C, block=bcfg.bucket, least=min(C, policy.prompt_slots + bcfg.chunk))
+
+
+def _fits(policy: eviction.CacheEviction, bcfg: BatchingConfig, active, index, n: int):
+  """Whether the next chunk's writes stay in the first n cache slots, for slots decoding
+  (`active` [S]) at `index` [S]."""
+  return policy.with_slots(active=active).filled_bound(index + bcfg.chunk - 1) <= n
 
 
 def _prefill(g: _Call, prompt_ids) -> DecodeState:
@@ -407,6 +427,7 @@ def _prefill(g: _Call, prompt_ids) -> DecodeState:
       full_logp=(jnp.zeros((B, T, cfg.vocab_size), jnp.float32) if scfg.keep_full_logprobs
                  else None),
       routed=routed)
+  out = _on_rows(out)
   policy = g.policy.cfg.eviction_policy
   keeps_score = policy is not None and policy.keeps_score
   kv_dtype = records[0].k.dtype
@@ -425,8 +446,8 @@ def _flush(g: _Call, s: DecodeState, which: jax.Array) -> DecodeState:
   B = g.shape[0]
   rows = jnp.where(which, s.row, B)                                # B: dropped
   ev = jnp.stack([c.evicted_at for c in s.caches], axis=1)          # [S, L, K, T]
-  return s.replace(out=s.out.replace(
-      evicted_at=s.out.evicted_at.at[rows].set(ev, mode="drop")))
+  return s.replace(out=_on_rows(s.out.replace(
+      evicted_at=s.out.evicted_at.at[rows].set(ev, mode="drop"))))
 
 
 def _load(g: _Call, s: DecodeState) -> DecodeState:
@@ -478,9 +499,9 @@ def _pack(g: _Call, s: DecodeState, n: int) -> DecodeState:
                    caches=tuple(kv_cache.take_rows(c, keep) for c in s.caches))
 
 
-def _run_chunk(g: _Call, n: int, s: DecodeState) -> DecodeState:
+def _run_chunk(g: _Call, n: int, stage: str, s: DecodeState) -> DecodeState:
   """Up to `bcfg.chunk` decode steps (fewer when no slot is decoding) on caches of n slots
-  (the first n of the C slots: `_decode` cuts them)."""
+  (the first n of the C slots: `_decode` cuts them); its loop is named for `stage`."""
   model, scfg = g.model, g.scfg
   B, P, T = g.shape
   policy = dataclasses.replace(g.policy, total_slots=n)
@@ -505,8 +526,9 @@ def _run_chunk(g: _Call, n: int, s: DecodeState) -> DecodeState:
                             tok=jnp.where(s.active, tok, s.tok),
                             active=s.active & ~finished, caches=caches, out=out)
 
-  return jax.lax.while_loop(lambda c: (c[0] < g.bcfg.chunk) & jnp.any(c[1].active), step,
-                            (jnp.int32(0), s))[1]
+  with jax.named_scope(loop_scope(stage, "steps")):
+    return jax.lax.while_loop(lambda c: (c[0] < g.bcfg.chunk) & jnp.any(c[1].active), step,
+                              (jnp.int32(0), s))[1]
 
 
 def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
@@ -520,7 +542,8 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
   cache through a conditional.) Once every row is loaded and at most S // `bcfg.tail` slots
   still decode, the tail: those slots are packed into S // tail slots (`_pack`) and decode
   on, over the whole cache, so the batch's longest rows no longer pay for S slots' matmuls.
-  Returns the `Rollout`."""
+  Each stage's loops are named (`loop_scope`); `decode_schedule` replays this schedule on
+  the host for the bound on their trips. Returns the `Rollout`."""
   scfg = g.scfg
   B, P, T = g.shape
   C = g.policy.total_slots
@@ -532,10 +555,10 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
             & (s.steps < B * scfg.max_new_tokens))
 
   def fits(s: DecodeState, n: int):
-    return g.policy.with_slots(active=s.active).filled_bound(s.index + g.bcfg.chunk - 1) <= n
+    return _fits(g.policy, g.bcfg, s.active, s.index, n)
 
   def chunk_then_refill(n, s: DecodeState) -> DecodeState:
-    s = _run_chunk(g, n, s)
+    s = _run_chunk(g, n, f"bucket{n}", s)
     if g.S == B:
       return s                                  # every row was loaded at the start
     n_free = jnp.sum(~s.active, dtype=jnp.int32)
@@ -548,25 +571,27 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
     tail = (s.next_row >= B) & (jnp.sum(s.active, dtype=jnp.int32) <= S_tail)
     return more(s) & ~tail
 
-  # A stage below what a freshly loaded row fills in one chunk (its prompt's slots, then one
-  # chunk's keys) could neither run a chunk nor hold the prompts its refills load.
-  least = min(C, g.policy.prompt_slots + g.bcfg.chunk)
-  for n in kv.slot_buckets(C, block=g.bcfg.bucket, least=least):
-    full = s.caches
-    if n < C:
-      s = s.replace(caches=tuple(kv_cache.first_slots(c, n) for c in full))
-      s = jax.lax.while_loop(lambda s, n=n: before_tail(s) & fits(s, n),
-                             functools.partial(chunk_then_refill, n), s)
-      s = s.replace(caches=tuple(kv_cache.put_first_slots(f, c)
-                                 for f, c in zip(full, s.caches)))
-    else:
-      s = jax.lax.while_loop(before_tail, functools.partial(chunk_then_refill, n), s)
+  stage_steps = []                               # decode steps run in each stage
+  for n in _stage_sizes(g.policy, g.bcfg):
+    full, before = s.caches, s.steps
+    with jax.named_scope(loop_scope(f"bucket{n}", "chunks")):
+      if n < C:
+        s = s.replace(caches=tuple(kv_cache.first_slots(c, n) for c in full))
+        s = jax.lax.while_loop(lambda s, n=n: before_tail(s) & fits(s, n),
+                               functools.partial(chunk_then_refill, n), s)
+        s = s.replace(caches=tuple(kv_cache.put_first_slots(f, c)
+                                   for f, c in zip(full, s.caches)))
+      else:
+        s = jax.lax.while_loop(before_tail, functools.partial(chunk_then_refill, n), s)
+    stage_steps.append(s.steps - before)
   if S_tail < g.S:
     # The loop above stopped with every row done or at most S_tail decoding: no row is left
     # to load, so the tail needs neither refills nor cut caches (one more compiled body).
     s = _pack(g, s, S_tail)
-    g = dataclasses.replace(g, S=S_tail)
-    s = jax.lax.while_loop(more, functools.partial(_run_chunk, g, C), s)
+    g, before = dataclasses.replace(g, S=S_tail), s.steps
+    with jax.named_scope(loop_scope("tail", "chunks")):
+      s = jax.lax.while_loop(more, functools.partial(_run_chunk, g, C, "tail"), s)
+    stage_steps.append(s.steps - before)
 
   s = _flush(g, s, jnp.ones((g.S,), bool))
   out = s.out
@@ -580,9 +605,82 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
       evicted_at=out.evicted_at,
       stats=RolloutStats(finished=out.done, decode_steps=s.steps, entropy=out.entropy,
                          cache_slots=g.policy.total_slots,
-                         cache_bytes=kv.nbytes([(c.k, c.v) for c in s.caches])),
+                         cache_bytes=kv.nbytes([(c.k, c.v) for c in s.caches]),
+                         stage_steps=jnp.stack(stage_steps)),
       topk_ids=out.topk_ids, topk_logp=out.topk_logp, full_logp=out.full_logp,
       routed_experts=out.routed)
+
+
+def loop_scope(stage: str, loop: str) -> str:
+  """The named scope of one of `_decode`'s loops: a stage's loop over chunks ("chunks") or a
+  chunk's loop over decode steps ("steps"); the stage is "bucket<n>" or "tail". Its while
+  loop's op_name ends in "<scope>/while", which is how `trm_jax.aot.hlo_cost` finds it."""
+  return f"decode_{stage}_{loop}"
+
+
+def decode_schedule(B: int, P: int, R: int, ccfg: CacheConfig,
+                    bcfg: BatchingConfig) -> dict[str, int]:
+  """How many times the body of each of `_decode`'s loops (by `loop_scope`) runs in one call
+  of B rows (prompt bucket P, R new tokens) when no row stops before its last index
+  T - 1, i.e. every row decodes R - 1 steps: the most decode steps a call runs when every
+  row decodes at once (S = B), and the schedule of continuous batching in which every row
+  generates task.max_new_tokens. The bound `trm_jax.aot` counts the sampler's data-dependent
+  loops with.
+
+  It replays `_decode`'s control flow on the host (the slots' indices, refills, the stage
+  each chunk runs in, the tail); `RolloutStats.stage_steps` of a run that never samples a
+  stop token is its "..._steps" counts (tests/test_aot.py)."""
+  S, refill = bcfg.sizes(B)
+  T, chunk = P + R, bcfg.chunk
+  policy = _eviction(ccfg, P, R)
+  C = policy.total_slots
+  S_tail = max(1, S // bcfg.tail) if S < B else S
+  index, active = np.full(S, P), np.zeros(S, bool)
+  state = {"next_row": 0, "steps": 0}
+  counts: dict[str, int] = {}
+
+  def load(slots: int):
+    free = ~active[:slots]
+    new = state["next_row"] + np.cumsum(free) - 1
+    take = free & (new < B)
+    index[:slots][take] = P
+    active[:slots] = np.where(free, take & (P < T - 1), active[:slots])
+    state["next_row"] += int(take.sum())
+
+  def more():
+    return (active.any() or state["next_row"] < B) and state["steps"] < B * R
+
+  def run_chunk(stage: str):
+    counts[loop_scope(stage, "chunks")] += 1
+    for _ in range(chunk):
+      if not active.any():
+        break
+      counts[loop_scope(stage, "steps")] += 1
+      state["steps"] += 1
+      finished = active & (index + 1 >= T - 1)
+      index[active] += 1
+      active[finished] = False
+
+  def before_tail() -> bool:
+    return more() and not (S_tail < S and state["next_row"] >= B
+                           and int(active.sum()) <= S_tail)
+
+  load(S)
+  for n in _stage_sizes(policy, bcfg):
+    counts[loop_scope(f"bucket{n}", "chunks")] = counts[loop_scope(f"bucket{n}", "steps")] = 0
+    while before_tail() and (n == C or bool(_fits(policy, bcfg, active, index, n))):
+      run_chunk(f"bucket{n}")
+      if S < B and state["next_row"] < B and (
+          int((~active).sum()) >= min(refill, B - state["next_row"])):
+        load(S)
+  if S_tail < S:
+    counts[loop_scope("tail", "chunks")] = counts[loop_scope("tail", "steps")] = 0
+    order = np.argsort(~active, kind="stable")[:S_tail]
+    index[:S_tail], active[:S_tail] = index[order], active[order]
+    active[S_tail:] = False
+    while more():
+      run_chunk("tail")
+  return counts
 
 
 _STATIC = ("graphdef", "scfg", "ccfg", "bcfg", "attn_impl")
@@ -628,7 +726,16 @@ def _record(out: Outputs, rows: jax.Array, at: jax.Array, tok: jax.Array, logp: 
     new.update(topk_logp=put(out.topk_logp, tv), topk_ids=put(out.topk_ids, ti))
   if scfg.keep_full_logprobs:
     new["full_logp"] = put(out.full_logp, dist)
-  return out.replace(**new)
+  return _on_rows(out.replace(**new))
+
+
+def _on_rows(out: Outputs) -> Outputs:
+  """`out` pinned to the mesh's batch sharding (rows over data x fsdp) when a mesh is set.
+  Its writes are scatters from slots to rows, which leave the partitioner free to replicate
+  every [B, ...] output on every device; it did: the 8B config's [B, L, K, T] retention
+  records and top-k log-probs cost 3.4 GB per chip of 64, beside the same again as the
+  loop's buffers."""
+  return jax.tree.map(lambda x: shd.constrain(x, (shd.BATCH,) + (None,) * (x.ndim - 1)), out)
 
 
 def _is_eos(tok: jax.Array, eos_ids) -> jax.Array:

@@ -196,6 +196,8 @@ class RolloutStats:
   entropy: jax.Array           # [B, T] fp32 entropy of each sampled distribution; 0 elsewhere
   cache_slots: int = struct.field(pytree_node=False, default=0)   # C per layer per kv head
   cache_bytes: int = struct.field(pytree_node=False, default=0)   # K/V bytes of the cache
+  stage_steps: Optional[jax.Array] = None  # [stages] int32 decode steps run in each stage of
+                                           #   the loop: each cache bucket, then the tail
 
 
 @struct.dataclass
