@@ -159,14 +159,14 @@ class CacheEviction:
   def with_slots(self, **arrays) -> "CacheEviction":
     return dataclasses.replace(self, **arrays)
 
-  def load(self, layer: int, rec: PromptKV, u: jax.Array, valid: jax.Array) -> KVCache:
-    """The first Cp slots of the caches of slots that start rows decoding from prompts
-    u [S] (valid [S, P] their rows' non-padding positions; the rows, starts, keeps and
-    budgets are this policy's): the kept prompt keys right-aligned in index order, and the
-    retention record [S, K, T] with the dropped prompt keys evicted at P (the first
-    generated query cannot see them)."""
+  def load(self, layer: int, rec: PromptKV, valid: jax.Array) -> KVCache:
+    """The first Cp slots of the caches of slots that start rows decoding from their
+    prompts' records `rec` (one per slot: k, v [S, P, K, H]; valid [S, P] their rows'
+    non-padding positions; the rows, starts, keeps and budgets are this policy's): the kept
+    prompt keys right-aligned in index order, and the retention record [S, K, T] with the
+    dropped prompt keys evicted at P (the first generated query cannot see them)."""
     cfg, policy, P = self.cfg, self.cfg.eviction_policy, self.prompt_len
-    score = rec.score[u]                                                   # [S, K, P]
+    score = rec.score                                                      # [S, K, P]
     kept = select_prompt(cfg, valid, score, self.keep, start=self.start, budget=self.budget,
                          layer=layer, rand_key=self.rand_key, rows=self.rows)  # [S, K, P]
     S, K = kept.shape[:2]
@@ -175,7 +175,7 @@ class CacheEviction:
     evicted_at = evicted_at.at[:, :, :P].set(jnp.where(dropped, P, NEVER_EVICTED))
     # Only a policy that keeps a score (H2O) carries one per slot through decoding.
     keeps = policy is not None and policy.keeps_score
-    cache = kv.from_prompt(rec.k[u], rec.v[u], kept, score if keeps else None,
+    cache = kv.from_prompt(rec.k, rec.v, kept, score if keeps else None,
                            num_prompt_slots=self.prompt_slots,
                            num_total_slots=self.prompt_slots)
     return cache.replace(evicted_at=evicted_at)

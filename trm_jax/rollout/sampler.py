@@ -315,6 +315,7 @@ class _Call:
   scfg: SamplingConfig
   bcfg: BatchingConfig
   policy: eviction.CacheEviction   # the cache policy of every layer (slot arrays unset)
+  group: int                       # rows per prefilled prompt (`prefill_group`)
   S: int                           # decoding slots
   refill: int                      # load rows once this many slots are free
   start: jax.Array                 # [B] int32 array index of each row's first valid token
@@ -363,10 +364,21 @@ def _call(graphdef, state, prompt_ids, prompt_lengths, key, scfg: SamplingConfig
   valid = jnp.arange(P, dtype=jnp.int32)[None, :] >= start[:, None]   # [B, P]
   keep, budget = kv.row_budgets(ccfg, prompt_lengths, P, R)           # [B], [B]
   return _Call(model=model, scfg=scfg, bcfg=bcfg, policy=_eviction(ccfg, P, R, k_evict),
-               S=S, refill=refill,
+               group=prefill_group(B, bcfg.group_size), S=S, refill=refill,
                start=start, valid=valid, keep=keep, budget=budget,
                s_sample=rng.seed(k_sample), s_noise=rng.seed(k_noise), k_router=k_router,
                attn_impl=attn_impl)
+
+
+def prefill_group(B: int, group_size: int) -> int:
+  """Rows per prefilled prompt: `group_size`, unless the B / group_size prompts do not split
+  over the mesh's batch shards (set with `jax.set_mesh`), when every row is prefilled on its
+  own: the prompts would be replicated on every device, each prefilling them all and holding
+  every prompt's KV for the call (the 8B config's 32 prompts on 64 chips: 4x the prefill per
+  chip and 4.8 GB of records)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  shards = 1 if mesh.empty else shd.batch_shards(mesh)
+  return group_size if (B // group_size) % shards == 0 else 1
 
 
 def _eviction(ccfg: CacheConfig, P: int, R: int, rand_key=None) -> eviction.CacheEviction:
@@ -395,7 +407,7 @@ def _prefill(g: _Call, prompt_ids) -> DecodeState:
   first S rows loaded into them: the decode loop's initial state."""
   model, scfg = g.model, g.scfg
   B, P, T = g.shape
-  R, G, S = scfg.max_new_tokens, g.bcfg.group_size, g.S
+  R, G, S = scfg.max_new_tokens, g.group, g.S
   cfg = model.config
   idx = jnp.arange(P, dtype=jnp.int32)
   start_u, valid_u = g.start[::G], g.valid[::G]                     # [U], [U, P]
@@ -438,7 +450,7 @@ def _prefill(g: _Call, prompt_ids) -> DecodeState:
                   index=jnp.full((S,), P, jnp.int32), tok=none, active=jnp.zeros((S,), bool),
                   start=none, budget=none, caches=(empty,) * L,
                   prompts=tuple(records), h_prompt=h, out=out, routed_prompt=routed_prompt)
-  return _load(g, s)
+  return _load(g, s, first=True)
 
 
 def _flush(g: _Call, s: DecodeState, which: jax.Array) -> DecodeState:
@@ -450,30 +462,44 @@ def _flush(g: _Call, s: DecodeState, which: jax.Array) -> DecodeState:
       evicted_at=s.out.evicted_at.at[rows].set(ev, mode="drop"))))
 
 
-def _load(g: _Call, s: DecodeState) -> DecodeState:
+def _load(g: _Call, s: DecodeState, first: bool = False) -> DecodeState:
   """Fills the slots that are not decoding with the next rows (in row order): each slot's
   cache from its row's prompt record (the policy's per-row prompt selection), and the row's
   first token (index P), sampled from the prompt's last hidden state with the row's own draw.
-  The finished rows those slots held are flushed first."""
+  The finished rows those slots held are flushed first.
+
+  `first`: the prefill's load, into empty slots: slot i takes row i, which is static, so the
+  prompts' records are repeated per group and the caches built whole, where a gather and a
+  scatter by traced rows would leave the partitioner to replicate them on every device."""
   model, scfg = g.model, g.scfg
   B, P, T = g.shape
-  G = g.bcfg.group_size
-  free = ~s.active
-  s = _flush(g, s, free)
-  new = s.next_row + jnp.cumsum(free.astype(jnp.int32)) - 1          # [S]
-  take = free & (new < B)
-  r = jnp.minimum(jnp.where(take, new, 0), B - 1)
-  u = r // G
+  G, S = g.group, s.active.shape[0]
+  if first:
+    free = take = jnp.ones((S,), bool)
+    r = jnp.arange(S, dtype=jnp.int32)                                # S <= B
+    per_slot = lambda x: jnp.repeat(x, G, axis=0)[:S]
+  else:
+    free = ~s.active
+    s = _flush(g, s, free)
+    new = s.next_row + jnp.cumsum(free.astype(jnp.int32)) - 1        # [S]
+    take = free & (new < B)
+    r = jnp.minimum(jnp.where(take, new, 0), B - 1)
+    per_slot = lambda x: x[r // G]
   pol = g.policy.with_slots(rows=r, start=g.start[r], keep=g.keep[r], budget=g.budget[r],
                             active=take)
-  caches = tuple(kv_cache.restart_rows(c, pol.load(l, rec, u, g.valid[r]), take)
-                 for l, (c, rec) in enumerate(zip(s.caches, s.prompts)))
+  loaded = [pol.load(l, jax.tree.map(per_slot, rec), g.valid[r])
+            for l, rec in enumerate(s.prompts)]
+  if first:
+    caches = tuple(kv_cache.pad_slots(c, g.policy.total_slots) for c in loaded)
+  else:
+    caches = tuple(kv_cache.restart_rows(c, new, take) for c, new in zip(s.caches, loaded))
   query = jnp.full(r.shape, P - 1, jnp.int32)
-  tok, logp, dist, ent = g.next_token(s.h_prompt[u], r, query)
+  tok, logp, dist, ent = g.next_token(per_slot(s.h_prompt), r, query)
   rows = jnp.where(take, r, B)
   out = _record(s.out, rows, query + 1, tok, logp, dist, ent, scfg)
   if s.routed_prompt is not None:
-    out = out.replace(routed=out.routed.at[rows, :, :P].set(s.routed_prompt[u], mode="drop"))
+    out = out.replace(routed=out.routed.at[rows, :, :P].set(per_slot(s.routed_prompt),
+                                                            mode="drop"))
   first_done = _is_eos(tok, scfg.eos_ids) | (P >= T - 1)   # R = 1: the first token is the last
   pick = lambda new, old: jnp.where(take, new, old)
   return s.replace(
@@ -571,6 +597,9 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
     tail = (s.next_row >= B) & (jnp.sum(s.active, dtype=jnp.int32) <= S_tail)
     return more(s) & ~tail
 
+  if g.S == B:
+    # Every row was loaded at the start: the loop never reads the prompts' records again.
+    s = s.replace(prompts=(), h_prompt=None, routed_prompt=None)
   stage_steps = []                               # decode steps run in each stage
   for n in _stage_sizes(g.policy, g.bcfg):
     full, before = s.caches, s.steps
