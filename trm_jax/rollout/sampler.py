@@ -18,7 +18,8 @@ give the learner for `segment_ids` = 1 on valid tokens. `evicted_at` uses the sa
 indices.
 
 Scheduling (`BatchingConfig`). Rows [g*G, (g+1)*G) share a prompt (GRPO's group): the prefill
-runs once per group (U = B / G prompts) and keeps each prompt's keys, values and policy scores
+runs once per group (U = B / G prompts; row by row where the U prompts do not split over the
+mesh's batch shards, `prefill_group`) and keeps each prompt's keys, values and policy scores
 (`eviction.PromptKV`). S slots decode at once (S = B by default); each slot holds one row at
 its own array index. Loading a row into a slot copies its prompt's KV (the policy's per-row
 selection: random eviction differs row by row) and samples its first token. The loop runs in

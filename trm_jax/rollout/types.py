@@ -149,7 +149,9 @@ class BatchingConfig:
     the same draws (they are keyed by row and array index), so it changes speed, not results
     beyond float rounding.
   group_size: G, rows [g*G, (g+1)*G) share one prompt (GRPO's rollouts of a problem); it is
-    prefilled once per group and every row starts from that KV (B must be a multiple of G).
+    prefilled once per group and every row starts from that KV (B must be a multiple of G),
+    unless the B / G prompts do not split over the mesh's batch shards: then every row is
+    prefilled on its own (`sampler.prefill_group`).
   chunk: decode steps between two looks at the batch: after each chunk, free slots are
     refilled and the caches are cut to the smallest `cache.slot_buckets` size that holds
     every slot the next chunk can fill (so a step reads the live part of the cache, not its
