@@ -441,3 +441,24 @@ def test_the_sampler_keeps_its_rows_split_over_a_mesh():
     assert sh.spec[0] == "data", (name, sh)
   per_device = set(re.findall(rf"f32\[(\d+),{P},{D}\]", compiled.as_text()))
   assert per_device == {str(B // 8)}, per_device     # [rows, P, D] prefill activations
+
+
+def test_a_compile_process_that_dies_is_reported_with_its_memory(monkeypatch):
+  """`cli.compile_in_subprocess` watches one program's compiler process: the row it wrote,
+  with its peak host memory and a line while it runs; or, for a process killed (the kernel's
+  out-of-memory killer sends SIGKILL), a failed row saying so with its stderr's last lines."""
+  from trm_jax.aot import cli   # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(cli, "HEARTBEAT_S", 0.5)
+  lines = []
+  grow = ("import json, sys, time; x = bytearray(200 * 2**20); time.sleep(1.5); "
+          "json.dump({'program': 'p', 'fits': True}, open(sys.argv[-1].split('=', 1)[1], 'w'))")
+  row = cli.compile_in_subprocess([sys.executable, "-c", grow], "p", lines.append)
+  assert row["fits"] and row["host_peak_rss_bytes"] > 200 * 2**20 and row["process_s"] >= 1.5
+  assert any(l.startswith("[aot] p: compiling for ") and "GiB of host memory" in l
+             for l in lines), lines
+  die = ("import os, signal, sys; print('compiling...', file=sys.stderr, flush=True); "
+         "os.kill(os.getpid(), signal.SIGKILL)")
+  row = cli.compile_in_subprocess([sys.executable, "-c", die], "p", lines.append)
+  assert row["failed"].startswith("compiler process killed by signal 9 (the kernel's "
+                                  "out-of-memory killer sends it) after ")
+  assert row["stderr_tail"] == ["compiling..."] and "fits" not in row
