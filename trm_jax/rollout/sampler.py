@@ -669,12 +669,12 @@ def decode_schedule(B: int, P: int, R: int, ccfg: CacheConfig,
   state = {"next_row": 0, "steps": 0}
   counts: dict[str, int] = {}
 
-  def load(slots: int):
-    free = ~active[:slots]
+  def load():
+    free = ~active
     new = state["next_row"] + np.cumsum(free) - 1
     take = free & (new < B)
-    index[:slots][take] = P
-    active[:slots] = np.where(free, take & (P < T - 1), active[:slots])
+    index[take] = P
+    active[:] = np.where(free, take & (P < T - 1), active)
     state["next_row"] += int(take.sum())
 
   def more():
@@ -695,14 +695,14 @@ def decode_schedule(B: int, P: int, R: int, ccfg: CacheConfig,
     return more() and not (S_tail < S and state["next_row"] >= B
                            and int(active.sum()) <= S_tail)
 
-  load(S)
+  load()
   for n in _stage_sizes(policy, bcfg):
     counts[loop_scope(f"bucket{n}", "chunks")] = counts[loop_scope(f"bucket{n}", "steps")] = 0
     while before_tail() and (n == C or bool(_fits(policy, bcfg, active, index, n))):
       run_chunk(f"bucket{n}")
       if S < B and state["next_row"] < B and (
           int((~active).sum()) >= min(refill, B - state["next_row"])):
-        load(S)
+        load()
   if S_tail < S:
     counts[loop_scope("tail", "chunks")] = counts[loop_scope("tail", "steps")] = 0
     order = np.argsort(~active, kind="stable")[:S_tail]
