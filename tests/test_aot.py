@@ -189,8 +189,9 @@ def test_loop_aware_cost_on_cpu_counts_each_loop_by_its_executions():
 def test_decode_schedule_is_the_samplers_own_schedule():
   """`sampler.decode_schedule`, the bound trm_jax.aot counts the sampler's loops with, is
   the schedule the sampler runs when no row stops early: every stage's decode steps equal
-  `RolloutStats.stage_steps` of a run without stop tokens, for every row at once over four
-  cache buckets and for continuous batching with refills (dense and compressed caches)."""
+  `RolloutStats.stage_steps` of a run without stop tokens, for every row at once over three
+  cache buckets (the prompt longer than the first bucket) and for continuous batching with
+  refills (dense and compressed caches)."""
   from model_fixtures import make_test_model   # pylint: disable=g-import-not-at-top
   from trm_jax.rollout import BatchingConfig, CacheConfig   # pylint: disable=g-import-not-at-top
   from trm_jax.rollout import sampler   # pylint: disable=g-import-not-at-top
@@ -212,7 +213,9 @@ def test_decode_schedule_is_the_samplers_own_schedule():
     # A chunk runs at most `chunk` steps.
     assert all(sched[k.replace("_steps", "_chunks")] >= -(-v // batching.chunk)
                for k, v in sched.items() if k.endswith("_steps"))
-  assert len(sampler.decode_schedule(B, P, R, CacheConfig(), cases[0][1])) == 2 * 4
+  # C = P + R = 32 slots in 8-slot buckets: 8 cannot hold a loaded 10-token prompt and a chunk
+  # of 3 keys, so the stages are 16, 24 and 32 slots, two loops each.
+  assert len(sampler.decode_schedule(B, P, R, CacheConfig(), cases[0][1])) == 2 * 3
 
 
 @needs_libtpu
