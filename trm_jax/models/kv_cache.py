@@ -125,15 +125,6 @@ def first_slots(cache: KVCache, n: int) -> KVCache:
   return cache.replace(**{k: x[_slot_index(k, slice(0, n))] for k, x in _per_slot(cache).items()})
 
 
-def put_first_slots(cache: KVCache, part: KVCache) -> KVCache:
-  """`cache` with its first n slots (n = part's slot count) and its record taken from `part`
-  (what `first_slots` cut, after decoding on it)."""
-  n = part.pos.shape[-1]
-  return cache.replace(
-      **{k: x.at[_slot_index(k, slice(0, n))].set(getattr(part, k))
-         for k, x in _per_slot(cache).items()}, evicted_at=part.evicted_at)
-
-
 def take_rows(cache: KVCache, rows: jax.Array) -> KVCache:
   """The cache of rows `rows` [n] int32 (every per-slot field and the retention record)."""
   return cache.replace(**{k: x[rows] for k, x in _per_slot(cache).items()},

@@ -563,7 +563,7 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
   feeds its row's token i and samples token i + 1; a row finishes at EOS or index T - 1.
   Between chunks, free slots are refilled with the next rows (once `g.refill` of them are
   free). The loop runs in stages, one per `cache.slot_buckets` size n, smallest first: a stage
-  holds the caches cut to their first n slots (copied out once, written back once) and runs
+  holds the caches cut to their first n slots (copied out once, padded back once) and runs
   chunks while every slot the next chunk can fill is below n, so a step reads the live part
   of the cache, not its capacity. (Stages, not a `lax.switch` per chunk: XLA copies a whole
   cache through a conditional.) Once every row is loaded and at most S // `bcfg.tail` slots
@@ -603,14 +603,17 @@ def _decode(g: _Call, s: DecodeState, prompt_lengths) -> Rollout:
     s = s.replace(prompts=(), h_prompt=None, routed_prompt=None)
   stage_steps = []                               # decode steps run in each stage
   for n in _stage_sizes(g.policy, g.bcfg):
-    full, before = s.caches, s.steps
+    before = s.steps
     with jax.named_scope(loop_scope(f"bucket{n}", "chunks")):
       if n < C:
-        s = s.replace(caches=tuple(kv_cache.first_slots(c, n) for c in full))
+        # Slots n.. are still as the prefill left them (empty: every earlier stage wrote
+        # below its own, smaller size), so the stage's caches are padded back to C slots
+        # rather than written into the full ones, which would stay live through the stage
+        # beside its own: C + n slots of every layer's cache instead of n.
+        s = s.replace(caches=tuple(kv_cache.first_slots(c, n) for c in s.caches))
         s = jax.lax.while_loop(lambda s, n=n: before_tail(s) & fits(s, n),
                                functools.partial(chunk_then_refill, n), s)
-        s = s.replace(caches=tuple(kv_cache.put_first_slots(f, c)
-                                   for f, c in zip(full, s.caches)))
+        s = s.replace(caches=tuple(kv_cache.pad_slots(c, C) for c in s.caches))
       else:
         s = jax.lax.while_loop(before_tail, functools.partial(chunk_then_refill, n), s)
     stage_steps.append(s.steps - before)
