@@ -254,7 +254,7 @@ def test_tiny_smd_config_compiles_for_v5e_through_the_cli(tmp_path):
     assert f"[aot] {name}: compiling ..." in r.stdout
   assert "every program fits; roofline lower bound of one RL step" in r.stdout
   rep = json.loads(out.read_text())
-  assert rep["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1} and rep["attn_impl"] == "pallas_tpu"
+  assert rep["mesh"] == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 1} and rep["attn_impl"] == "pallas_tpu"
   rows = {p["program"]: p for p in rep["programs"]}
   assert list(rows) == ["score", "update"] and rep["fits"]
   P, R, L, K, V = rep["P"], rep["R"], 2, 2, 64
