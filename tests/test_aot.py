@@ -254,7 +254,8 @@ def test_tiny_smd_config_compiles_for_v5e_through_the_cli(tmp_path):
     assert f"[aot] {name}: compiling ..." in r.stdout
   assert "every program fits; roofline lower bound of one RL step" in r.stdout
   rep = json.loads(out.read_text())
-  assert rep["mesh"] == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 1} and rep["attn_impl"] == "pallas_tpu"
+  assert rep["mesh"] == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 1}
+  assert rep["attn_impl"] == "pallas_tpu"
   rows = {p["program"]: p for p in rep["programs"]}
   assert list(rows) == ["score", "update"] and rep["fits"]
   P, R, L, K, V = rep["P"], rep["R"], 2, 2, 64
@@ -388,11 +389,12 @@ def test_program_that_does_not_fit_exits_1_naming_its_knobs(tmp_path):
      "known: v4, v5e, v5p, v6e"),
     (["--topology", "v5e:3x3"], "error: topology 'v5e:3x3': INVALID_ARGUMENT: Topology layout "
      "\"v5e:3x3\" is not divisible"),
-    (["--config.mesh.data=1", "--config.mesh.fsdp=3"], "error: mesh.data=1 * mesh.fsdp=3 * "
-     "mesh.tensor=1 = 3 devices, but 4 are present"),
+    (["--config.mesh.data=1", "--config.mesh.fsdp=3"], "error: mesh.fsdp=3 does not divide "
+     "the 4 devices present (mesh.data=1 * mesh.fsdp=3 * mesh.expert=1 * mesh.tensor=1)"),
     (["--topology", "v6e:16x16", "--config.mesh.fsdp=64", "--config.mesh.tensor=4"],
-     "error: mesh.data=-1, mesh.fsdp=64, mesh.tensor=4 cannot be laid on the topology's physical "
-     "axes without splitting one: Failed to find assignment for logical_axis_index"),
+     "error: mesh.data=-1, mesh.expert=1, mesh.fsdp=64, mesh.tensor=4 cannot be laid on the "
+     "topology's physical axes without splitting one: Failed to find assignment for "
+     "logical_axis_index"),
     (["--model", "/nonexistent/ckpt"], "error: no HF config.json at /nonexistent/ckpt "
      "(expected a checkpoint directory or a config.json file)"),
     (["--programs", "rollout,train"], "error: unknown programs ['train']; this config's trainer "
