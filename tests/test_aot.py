@@ -5,6 +5,7 @@
     its bitwise equality with the unsharded kernel is in test_kernels_tpu.py);
   * the loop-aware cost (`hlo_cost`): nested scans count every trip, an unreadable loop takes
     the caller's trip count and says so, the attention kernels' FLOPs are the analytic ones;
+    collective bytes count each loop body by its executions, as the cost does;
   * the CLI compiles a tiny SMD config (h2o cache, shadow-masked learner through the kernel)
     for a v5e:2x2 slice: every program fits, with the resident batch counted exactly; a
     program that does not fit exits 1 naming its knobs; bad input gets one line naming it.
@@ -184,6 +185,33 @@ def test_loop_aware_cost_on_cpu_counts_each_loop_by_its_executions():
   # A bound that names no loop of the program (renamed, or compiled away) is an error.
   with pytest.raises(ValueError, match="loops matched per scope: untill: 0"):
     program_cost(compiled, bounds={"untill": 5})
+
+
+def test_collective_bytes_count_each_loop_by_its_executions():
+  """`collective_bytes` counts loops as `hlo_text_cost` does: the program above with an
+  all-reduce (psum over 2 simulated devices) of the [n, n] f32 carry in each loop body runs
+  12 + 5 = 17 all-reduces with the data-dependent loop bounded at 5 in all, and 12 + 3 (once
+  per entry) without a bound."""
+  from trm_jax.aot import hlo_cost   # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P   # pylint: disable=g-import-not-at-top
+  n = 64
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:2])
+
+  def f(a, w):
+    def outer(c, _):
+      with jax.named_scope("until"):
+        c = jax.lax.while_loop(lambda s: (s[0] < 1000) & (jnp.sum(s[1]) < 1e30),
+                               lambda s: (s[0] + 1, jax.lax.psum(s[1] @ w, "x")), (0, c))[1]
+      return jax.lax.scan(lambda c, _: (jax.lax.psum(c @ w, "x"), None), c, None,
+                          length=4)[0], None
+    return jax.lax.scan(outer, a, None, length=3)[0]
+
+  x = jnp.ones((n, n), jnp.float32)
+  text = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P()), out_specs=P())).lower(
+      x, x).compile().as_text()
+  assert hlo_cost.collective_bytes(text, bounds={"until": 5}) == {"all-reduce": 17 * 4 * n * n}
+  assert hlo_cost.collective_bytes(text) == {"all-reduce": 15 * 4 * n * n}
 
 
 def test_decode_schedule_is_the_samplers_own_schedule():
