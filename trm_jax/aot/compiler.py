@@ -390,14 +390,17 @@ def moe_analytic(c: ml_collections.ConfigDict, s: Setup,
   expert and back (`all_to_all_bytes`: tokens x k x D x bytes x 2), and the grouped SwiGLU
   runs 3 matmuls of 2 x D x F FLOPs per pair (`grouped_matmul_flops`; a backward pass twice
   that). The tokens are split over the mesh's batch shards; the update's passes are forward
-  and backward (plus the recomputed forward with model.remat), the sampler's tokens its
-  prefill and every row decoding max_new_tokens."""
+  and backward (plus the recomputed forward with model.remat), as are score_update's (it
+  scores from the update's forward), the sampler's tokens its prefill and every row decoding
+  max_new_tokens."""
   mesh, mcfg = program.mesh, s.mcfg
   if not mcfg.num_experts or dict(mesh.shape).get(shd.EXPERT, 1) == 1:
     return None
   n_moe = sum(mcfg.is_moe_layer(l) for l in range(mcfg.num_layers))
-  if program.name in ("score", "update"):
-    tokens = math.prod(program.args[-1].tokens.shape)
+  if program.name in ("score", "update", "score_update"):
+    # the LearnerBatch: score's and update's last argument, score_update's fourth (rewards last)
+    batch = program.args[3] if program.name == "score_update" else program.args[-1]
+    tokens = math.prod(batch.tokens.shape)
     fwd, bwd = (1, 0) if program.name == "score" else (1 + mcfg.remat, 1)
     dtype = programs_lib.DTYPES[c.model.dtype]
   else:   # a sampler: prefill once per group of rows sharing a prompt, then R - 1 steps
