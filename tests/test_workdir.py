@@ -157,6 +157,15 @@ def test_config_changes_name_trajectory_keys_only():
   # Tuples and lists are the same value (a config read back from JSON has lists).
   assert wd.config_changes({"a": (1, 2)}, {"a": [1, 2]}) == {}
   assert wd.describe({"optim.lr": (3e-5, 1e-4)}) == "optim.lr: 3e-05 -> 0.0001"
+  # A setting added since the old run was made: no change at the value that keeps what the code
+  # did before it existed, a change at any other, and a change if the new side drops it.
+  added = {"model": {"lora": {"rank": 0, "targets": ("q", "k", "v", "o", "gate", "up", "down")},
+                     "moe_chunk": 4096}}
+  assert wd.config_changes({"model": {}}, added) == {}
+  added["model"]["lora"]["rank"] = 8
+  assert wd.config_changes({"model": {}}, added) == {"model.lora.rank": (None, 8)}
+  assert wd.config_changes({"model": {"moe_chunk": 4096}}, {"model": {}}) == {
+      "model.moe_chunk": (4096, None)}
 
 
 def test_prepare_creates_and_probes(tmp_path):

@@ -37,6 +37,17 @@ FREE_KEYS = ("log_every", "eval_every", "eval_problems", "eval_samples", "eval_t
              "compilation_cache", "mesh.")
 
 
+# Settings the config gained after runs were made, each at the value under which the code does
+# what it did before the setting existed: a run recorded without the key is not changed by a
+# config that holds it at this value (LoRA off, so its other keys are unread; the all-to-all
+# chunk, read only with mesh.expert > 1; long prompts refused, not dropped). Any other value,
+# or a key added later not listed here, counts as a change.
+ADDED_KEYS = {"model.lora.rank": 0, "model.lora.alpha": 32.0, "model.lora.base_quant": "none",
+              "model.lora.export": "adapter", "model.lora.path": "",
+              "model.lora.targets": ["q", "k", "v", "o", "gate", "up", "down"],
+              "model.moe_chunk": 4096, "task.drop_long_prompts": False}
+
+
 class WorkdirError(RuntimeError):
   """The workdir cannot be used (a file, read-only, busy, or holding another experiment)."""
 
@@ -143,12 +154,14 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, 
   """{key: (old value, new value)} for every trajectory key that differs (FREE_KEYS aside).
 
   A key present on one side only counts as a change (a config file that gained or lost a
-  setting)."""
+  setting), unless `old` predates it and `new` holds it at its ADDED_KEYS value."""
   a, b = flatten(old), flatten(new)
   missing = object()
   out = {}
   for key in sorted(set(a) | set(b)):
     va, vb = a.get(key, missing), b.get(key, missing)
+    if va is missing and key in ADDED_KEYS and vb == ADDED_KEYS[key]:   # flatten: lists
+      continue
     if va != vb and not _free(key):
       out[key] = tuple(None if v is missing else v for v in (va, vb))
   return out
