@@ -95,7 +95,9 @@ def main(argv: Sequence[str]) -> int:
       report = compile_config(c, topo.value, hf, programs=progs.value,
                               hlo_dir=hlo_dir.value, gpu_mem_fraction=mem_fraction.value,
                               log=lambda m: None)
-      write_json(row_out.value, report["programs"][0])
+      row = report["programs"][0]
+      bounds = report["loop_bounds"].get(row["program"])
+      write_json(row_out.value, {**row, "loop_bounds": bounds} if bounds else row)
       return 0
     check_writable(path)
     log = lambda m: print(m, flush=True)
