@@ -68,14 +68,21 @@ def test_shipped_configs_validate(name):
                                      ("qwen3_4b_smd_gsm8k.py", QWEN3_4B)])
 def test_paper_configs_trace_with_abstract_shapes(name, hf):
   """Model, optimizer state and the learner's score + update steps at the config's real
-  shapes, traced with jax.eval_shape: consistent shapes, zero bytes allocated."""
+  shapes, traced with jax.eval_shape: consistent shapes, zero bytes allocated. Two of the
+  model's 36 layers are traced (every layer has the same shapes; tracing is linear in the
+  layer count), and the parameter count of all 36 is checked from them."""
   c = _with_data_paths(_load(name))
   config_lib.validate(c)
   P, R = c.task.max_prompt_len, c.task.max_new_tokens
-  mcfg = ModelConfig.from_hf(hf, dtype=jnp.bfloat16, remat=c.model.remat)
+  mcfg = ModelConfig.from_hf(dict(hf, num_hidden_layers=2), dtype=jnp.bfloat16,
+                             remat=c.model.remat)
   abstract_model = nnx.eval_shape(lambda: Decoder(mcfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
-  n_params = sum(x.size for x in jax.tree.leaves(params))
+  flat, _ = jax.tree_util.tree_flatten_with_path(params)
+  sizes = {jax.tree_util.keystr(p): x.size for p, x in flat}
+  per_layer = sum(n for k, n in sizes.items() if "['layers'][0]" in k)
+  assert per_layer == sum(n for k, n in sizes.items() if "['layers'][1]" in k)
+  n_params = sum(sizes.values()) + (hf["num_hidden_layers"] - 2) * per_layer
   assert n_params > 3e9, n_params     # 4B / 8B class models
   tx = programs.make_optimizer(c)
   opt_state = jax.eval_shape(tx.init, params)
