@@ -62,8 +62,9 @@ def _score(ctx, params, ro, param_sh):
   return np.asarray(logp), metrics
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_rollouts_come_from_the_version_they_claim(shared_run, k):
+def test_rollouts_come_from_the_version_they_claim(shared_run, k=2):
+  """k = 2: the sampler lags by one update at step 2 and by two after, so both the first
+  stale version and the ring of k parameter copies are exercised."""
   ctx, state, mesh = _setup(shared_run, k=k)
   param_sh = jax.tree.map(lambda x: x.sharding, state.params)
   versions = {0: _copy(state.params)}
