@@ -146,13 +146,9 @@ def main(argv=None) -> int:
   p.add_argument("--lora-lr", type=float, default=3e-4, help="the LoRA arm's optim.lr")
   args = p.parse_args(argv)
   cells, groups = build_cells(args, [int(s) for s in args.seeds.split(",")])
-  rows = report.run_grid(CONFIG, cells, args)
-  sweep.plot_grouped(args.workdir, CURVE_KEYS, os.path.join(args.out, "curves.png"),
-                     groups=groups)
-  stats = {arm: run_stats(args.workdir, cs) for arm, cs in groups.items()}
-  stats = {arm: s for arm, s in stats.items() if s["seed"]}
-  print(write_summary(args.out, stats, args, sweep.span_seconds(args.workdir)))
-  return report.exit_code(rows, args.workdir)
+  return report.finish_grid(CONFIG, cells, args, groups, curve_keys=CURVE_KEYS,
+                            stats_of=run_stats, has_runs=lambda st: st["seed"],
+                            write_summary=write_summary)
 
 
 if __name__ == "__main__":

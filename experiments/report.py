@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -200,3 +200,23 @@ def exit_code(rows, workdir: str) -> int:
   if bad:
     print(f"runs that did not finish: {bad} (logs in {workdir}/cells/*/log.txt)")
   return 1 if bad else 0
+
+
+def finish_grid(config: str, cells, args, groups: Mapping[str, Sequence], *,
+                curve_keys: Sequence[str], stats_of: Callable, has_runs: Callable[[dict], bool],
+                write_summary: Callable, curve_groups: Optional[Mapping] = None,
+                also: Optional[Callable[[dict], None]] = None) -> int:
+  """The tail every seed-grid experiment shares: run (or resume) the cells, plot their curves
+  by group, take each group's statistics (`stats_of(workdir, cells)`, kept where
+  `has_runs(stats)`: a group none of whose runs finished has no row), hand them to `also`
+  (an extra plot), write and print the summary, and return the exit code."""
+  from trm_jax import sweep  # pylint: disable=g-import-not-at-top
+  rows = run_grid(config, cells, args)
+  sweep.plot_grouped(args.workdir, curve_keys, os.path.join(args.out, "curves.png"),
+                     groups=curve_groups or groups)
+  stats = {g: stats_of(args.workdir, cs) for g, cs in groups.items()}
+  stats = {g: st for g, st in stats.items() if has_runs(st)}
+  if also:
+    also(stats)
+  print(write_summary(args.out, stats, args, sweep.span_seconds(args.workdir)))
+  return exit_code(rows, args.workdir)

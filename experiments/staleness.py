@@ -168,14 +168,10 @@ def main(argv=None) -> int:
   fixed = report.fixed_overrides(args, eval_every=args.steps, eval_samples=args.eval_samples,
                                  **BASE)
   cells, groups = build_cells(methods, ks, [int(s) for s in args.seeds.split(",")], fixed)
-  rows = report.run_grid(CONFIG, cells, args)
   curve_groups = {f"{m},k={k}" if m != CONTROL else m: cs for (m, k), cs in groups.items()}
-  sweep.plot_grouped(args.workdir, CURVE_KEYS, os.path.join(args.out, "curves.png"),
-                     groups=curve_groups)
-  stats = {g: run_stats(args.workdir, cs) for g, cs in groups.items()}
-  stats = {g: s for g, s in stats.items() if s["seed"]}
-  print(write_summary(args.out, stats, args, sweep.span_seconds(args.workdir)))
-  return report.exit_code(rows, args.workdir)
+  return report.finish_grid(CONFIG, cells, args, groups, curve_keys=CURVE_KEYS,
+                            stats_of=run_stats, has_runs=lambda st: st["seed"],
+                            write_summary=write_summary, curve_groups=curve_groups)
 
 
 if __name__ == "__main__":

@@ -287,14 +287,10 @@ def main(argv=None) -> int:
                                           "eval_every": args.steps,
                                           "eval_samples": args.eval_samples})
   cells, by_method = build_cells(methods, [int(s) for s in args.seeds.split(",")], fixed)
-  rows = report.run_grid(CONFIG, cells, args)
-  sweep.plot_grouped(args.workdir, CURVE_KEYS, os.path.join(args.out, "curves.png"),
-                     groups=by_method)
-  stats = {m: method_stats(args.workdir, cs) for m, cs in by_method.items()}
-  stats = {m: s for m, s in stats.items() if s["reward_last"]}
-  plot_buckets(stats, os.path.join(args.out, "reject_by_length.png"))
-  print(write_summary(args.out, stats, args, sweep.span_seconds(args.workdir)))
-  return report.exit_code(rows, args.workdir)
+  return report.finish_grid(
+      CONFIG, cells, args, by_method, curve_keys=CURVE_KEYS, stats_of=method_stats,
+      has_runs=lambda st: st["reward_last"], write_summary=write_summary,
+      also=lambda stats: plot_buckets(stats, os.path.join(args.out, "reject_by_length.png")))
 
 
 if __name__ == "__main__":
