@@ -35,6 +35,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")   # the host backend; TPUs come from topologies
 
+from trm_jax.aot import cli as aot_cli           # noqa: E402
 from trm_jax.aot import compiler as aot         # noqa: E402
 from trm_jax import config as config_lib         # noqa: E402
 from trm_jax.aot import tpu as tpu_aot           # noqa: E402
@@ -180,7 +181,8 @@ def main(argv=None):
     out = longest(a.topology, impls, a.max_r, a.set,
                   [int(x) for x in a.r_list.split(",")] if a.r_list else ())
   out.update(layers=LAYERS, jax_version=aot.jax.__version__,
-             libtpu_version=aot.package_version("libtpu"), wall_s=round(time.time() - t0, 1))
+             libtpu_version=aot.package_version("libtpu"), wall_s=round(time.time() - t0, 1),
+             **aot_cli.commit())
   path = a.out or (f"bench/results/aot_smd_{a.mode}_{a.topology.replace(':', '_')}.json")
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   with open(path, "w") as f:

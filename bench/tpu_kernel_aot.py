@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from trm_jax.kernels.attention_ref import attention_reference
 from trm_jax.kernels.flash_attention_tpu import TPUBlockSizes, flash_attention_tpu
+from trm_jax.aot import cli as aot_cli
 from trm_jax.aot.tpu import compile_for_tpu, libtpu_available
 from trm_jax.kernels.visibility import LayerVisibility
 
@@ -118,7 +119,7 @@ def main(argv=None):
          "jax_version": jax.__version__, "libtpu_version": version("libtpu"),
          "shape": {**SHAPE, "dtype": "bfloat16", "visibility": "segment_ids + evicted_at",
                    "boundary": "q, k, v, out, cotangent as [B, T, heads*H]"},
-         "block_sizes": dataclasses.asdict(blocks), "rows": rows}
+         "block_sizes": dataclasses.asdict(blocks), "rows": rows, **aot_cli.commit()}
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
   with open(a.out, "w") as f:
     json.dump(out, f, indent=2)

@@ -25,8 +25,8 @@ def get_config(arg=None):
   c.total_steps = 300
   c.eval_every = 50
   c.eval_problems = 1319             # GSM8K test split
-  c.eval_batch_size = 128            # evaluation rows per call: all 1319 problems at once need
-                                     #   330 GB of temporaries per v6e chip (trm_jax.aot)
+  c.eval_batch_size = 128            # evaluation rows per call: all 1319 problems at once do
+                                     #   not split over the chips, so each would hold every row
   c.ckpt_every = 25
   c.keep_ckpts = 3
 

@@ -40,8 +40,8 @@ def get_config(arg=None):
   c.task.max_new_tokens = 256
   c.task.drop_long_prompts = True    # a context longer than 4096 tokens is left out, counted
 
-  c.rollout.slots = 256              # rows decoding at once (continuous batching): all 512
-                                     #   need 34.3 GiB per v6e chip (trm_jax.aot)
-  c.eval_batch_size = 32             # held-out rows per call: at 64 the compressed-cache
-                                     #   evaluation needs 47.6 GiB per v6e chip (trm_jax.aot)
+  c.rollout.slots = 256              # rows decoding at once (continuous batching): at most
+                                     #   256 of the 512 rows' caches are live at a time
+  c.eval_batch_size = 32             # held-out rows per call: a compressed-cache evaluation
+                                     #   holds the prompt's keys beside the compressed cache
   return c
