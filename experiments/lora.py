@@ -122,8 +122,8 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
            fmt(s["greedy_last"]), fmt(s["reward_first"]), fmt(s["reward_last"]),
            fmt(s["step_s"])] for arm, s in stats.items()]
   n_seeds = max(len(s["seed"]) for s in stats.values())
-  return report.write_summary(out, [
-      "# LoRA on the main job: adapters only, against full fine-tuning",
+  return report.write_table_summary(
+      out, "# LoRA on the main job: adapters only, against full fine-tuning",
       f"{len(stats)} arms x {n_seeds} seeds, {args.steps} RL steps of {args.batch} rollouts; "
       f"full fine-tuning at lr {args.lr}, LoRA rank {args.rank} (alpha 32, q/k/v/o/gate/up/"
       f"down) at lr {args.lora_lr}; config `configs/tiny_trm.py`. Held-out: "
@@ -131,11 +131,7 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
       "time/step_s after the first step, the two arms of a seed running side by side. Values "
       f"are mean ± std over seeds. Training span {wall_s / 60:.1f} min ({args.parallel} runs "
       "at a time).",
-      report.markdown_table(header, rows),
-      "## What these runs show",
-      "\n".join(claims(stats)),
-      "![curves](curves.png)",
-  ])
+      header, rows, claims(stats))
 
 
 def main(argv=None) -> int:

@@ -62,6 +62,15 @@ def write_summary(out: str, sections: Sequence[str]) -> str:
   return text
 
 
+def write_table_summary(out: str, title: str, intro: str, header: Sequence[str], rows,
+                        claims: Sequence[str]) -> str:
+  """The summary of a seed-grid experiment with one table: its title, what was run, the
+  table, what the runs show (`claims`, one line each) and the curves."""
+  return write_summary(out, [title, intro, markdown_table(header, rows),
+                             "## What these runs show", "\n".join(claims),
+                             "![curves](curves.png)"])
+
+
 def choices(p, value: str, known, what: str = "method") -> list[str]:
   """The comma-separated `value` as a list; an unknown entry is an argparse error naming it."""
   items = [x for x in value.split(",") if x]

@@ -140,8 +140,8 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
            fmt(s["greedy_last"]), fmt(s["reward_first"]), fmt(s["reward_last"])]
           for (m, k), s in stats.items()]
   n_seeds = max(len(s["seed"]) for s in stats.values())
-  return report.write_summary(out, [
-      "# Stale rollouts: rl.staleness = k (the sampler lags the learner by k updates)",
+  return report.write_table_summary(
+      out, "# Stale rollouts: rl.staleness = k (the sampler lags the learner by k updates)",
       f"{len(stats)} (method, k) groups x {n_seeds} seeds, {args.steps} RL steps each, "
       f"{args.batch} rollouts per step, lr {args.lr}; config `configs/tiny_trm.py` "
       "with an fp32 sampler and no logit noise, so staleness is the only mismatch. "
@@ -149,11 +149,7 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
       "and the end. Largest token KL: the batch maximum of KL(pi_roll || pi_theta) per token, "
       "averaged over steps; mean token KL: E[sum_t KL] / response length. Values are mean ± "
       f"std over seeds. Training span {wall_s / 60:.1f} min ({args.parallel} runs at a time).",
-      report.markdown_table(header, rows),
-      "## What these runs show",
-      "\n".join(claims(stats)),
-      "![curves](curves.png)",
-  ])
+      header, rows, claims(stats))
 
 
 def main(argv=None) -> int:
