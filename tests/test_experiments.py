@@ -21,7 +21,8 @@ from experiments import report  # the repository root is on sys.path (tests run 
 
 pytestmark = pytest.mark.slow
 
-RUN = ["rl.group_size=4", "export_hf=False"]          # every run's settings
+# Every run's settings (no per-run curves.png: the experiments draw their own).
+RUN = ["rl.group_size=4", "export_hf=False", "plot=False"]
 TINY = ["warmup.steps=10", "warmup.batch_size=16", "task.synthetic.max_operands=3",
         "task.synthetic.max_value=9", *RUN]             # with a base model of its own
 

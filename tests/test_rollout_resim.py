@@ -13,6 +13,7 @@ whose visibility depends only on evictions at steps < i. Walking the steps in or
 wrong entry of the sampler's record would be reported at the step where it was made, before
 any probability it influenced is used.
 """
+import functools
 import math
 from fractions import Fraction
 
@@ -173,7 +174,8 @@ def test_logp_exact_and_evicted_at_resimulated(model, prompts, forward_probs, na
   k_evict = stream_keys(KEY)[3]
   B, L, K, T = ev.shape
   pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, K, T))
-  rand = lambda l, i: np.asarray(policies.random_priority(k_evict, l, i, pos))
+  # One draw per (layer, step), the sampler's; cached, since every ranking of a step asks.
+  rand = functools.cache(lambda l, i: np.asarray(policies.random_priority(k_evict, l, i, pos)))
   expected = resimulate(cc, np.asarray(probs), LENS, int(r.stats.decode_steps), rand)
   diff = np.argwhere(ev != expected)
   assert diff.size == 0, (f"first mismatch at [b, l, k, j] = {diff[0].tolist()}: sampler "
