@@ -263,7 +263,8 @@ def write_summary(out: str, stats: dict, args, wall_s: float) -> str:
       "first 10 % of steps) minus the frozen control's for the same seed. "
       f"Values are mean ± std over seeds. Training span {wall_s / 60:.1f} min (from the end "
       "of the step-0 evaluation to the end of the last step, which carries the final "
-      "evaluation; 2 runs at a time; start-up and the base-model warm-up extra).",
+      f"evaluation; {args.parallel} runs at a time; start-up and the base-model warm-up "
+      "extra).",
       report.markdown_table(header, rows),
       "Rejection rate by response length (sequence-level methods; pooled over steps):",
       report.markdown_table(["method"] + [f"{b.replace('_', '-')} tokens" for b in names],

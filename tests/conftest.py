@@ -33,6 +33,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import jax  # noqa: E402  (after the environment above)
 import pytest  # noqa: E402
 
+from trm_jax import gc_tuning  # noqa: E402
+
+# The trainer's collector settings: the tests trace thousands of programs in-process.
+gc_tuning.tune_for_tracing()
+
 jax.devices()   # this process's backend starts now, with the flags above
 # The trainer turns on a persistent compilation cache in ~/.cache (train.compilation_cache);
 # trainers run in a test process must not, so this process has none. Trainer subprocesses

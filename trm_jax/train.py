@@ -59,6 +59,7 @@ from absl import app, flags
 from flax import nnx
 
 from trm_jax import config as config_lib
+from trm_jax import gc_tuning
 from trm_jax import preemption
 from trm_jax import programs as programs_lib
 from trm_jax.distributed import init_distributed
@@ -650,6 +651,7 @@ def help_text() -> str:
 
 
 def cli():
+  gc_tuning.tune_for_tracing()
   if any(a in ("-h", "--help", "--helpshort") for a in sys.argv[1:]):
     print(help_text())
     sys.exit(0)

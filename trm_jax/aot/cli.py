@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 os.environ.setdefault("JAX_PLATFORMS", "cpu")   # the host backend; devices come from topologies
 
 from trm_jax import config as config_lib        # noqa: E402
+from trm_jax import gc_tuning                   # noqa: E402
 from trm_jax import programs as programs_lib    # noqa: E402
 from trm_jax.aot import gpu as gpu_aot          # noqa: E402
 from trm_jax.aot import tpu as tpu_aot          # noqa: E402
@@ -36,6 +37,7 @@ HEARTBEAT_S = 60.0   # seconds between progress lines while a program compiles
 
 def main(argv: Sequence[str]) -> int:
   from absl import flags  # pylint: disable=g-import-not-at-top
+  gc_tuning.tune_for_tracing()
   fv = flags.FlagValues()
   cfg = config_lib.define_config_flag(flag_values=fv)
   topo = flags.DEFINE_string("topology", None, "TPU topology, e.g. v5p:4x4x4", flag_values=fv)
