@@ -264,7 +264,7 @@ def test_resume_refuses_a_changed_config_naming_each_key(tmp, reference, shared_
   assert line == (f"error: {workdir} holds a run (checkpoint step {STEPS}) with other settings: "
                   "optim.lr: 3e-05 -> 0.0001; rollout.logit_noise: 0.1 -> 0.2. Use another "
                   "--workdir, or pass --allow_config_change to continue this run with the new "
-                  "settings (both configs are kept)"), line   # eval_every and total_steps may change
+                  "settings (both configs are kept)"), line   # eval_every, total_steps may change
   with open(os.path.join(workdir, "config.json")) as f:
     assert f.read() == before                    # the run's record is untouched
 
