@@ -20,14 +20,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 import re
-import shutil
-import tempfile
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -36,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench import hygiene  # noqa: E402
+from bench import hygiene, xla_profile  # noqa: E402
 from trm_jax.models import Decoder, ModelConfig  # noqa: E402
 from trm_jax.rollout import CacheConfig, SamplingConfig, run_phase  # noqa: E402
 from trm_jax.rollout import sampler as sampler_lib  # noqa: E402
@@ -61,31 +56,6 @@ CATEGORIES = (
 
 def bench_model(dtype: str) -> Decoder:
   return Decoder(ModelConfig(**BENCH_MODEL, dtype=dtype, param_dtype=dtype), rngs=nnx.Rngs(0))
-
-
-def _op_names(hlo: str):
-  """instruction name -> (op names of it and of the computation it calls, result shape)."""
-  comps, cur = {}, None
-  for line in hlo.splitlines():
-    m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-    if m and not line.startswith(" "):
-      cur = m.group(1)
-      comps[cur] = []
-    elif cur is not None:
-      comps[cur].append(line)
-  out = {}
-  for lines in comps.values():
-    for line in lines:
-      m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ", line)
-      if not m:
-        continue
-      names = re.findall(r'op_name="([^"]+)"', line)
-      calls = re.findall(r"(?:calls|body|condition|to_apply)=%?([\w.\-]+)", line)
-      for c in calls:
-        for inner in comps.get(c, ()):
-          names += re.findall(r'op_name="([^"]+)"', inner)
-      out[m.group(1)] = (names, m.group(2))
-  return out
 
 
 def categorize(names, shape: str, V: int) -> str:
@@ -114,28 +84,11 @@ def profile(dtype: str, *, B: int = 8, P: int = 128, N: int = 128, cache=CacheCo
   hlo = sampler_lib._decode_jit.lower(  # pylint: disable=protected-access
       graphdef, state, ids, lens, kw["key"], carry, scfg=scfg, ccfg=cache,
       bcfg=sampler_lib.BatchingConfig(), attn_impl="auto").compile().as_text()
-  names = _op_names(hlo)
-  tmp = tempfile.mkdtemp(prefix="decode_profile_")
-  try:
-    probe = hygiene.Probe()
-    jax.profiler.start_trace(tmp)
-    probe.start()
-    t0 = time.perf_counter()
-    jax.block_until_ready(run_phase("decode", graphdef, state, ids, lens, carry=carry,
-                                    **kw).tokens)
-    wall = time.perf_counter() - t0
-    contention = probe.stop()
-    jax.profiler.stop_trace()
-    trace = glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)[-1]
-    events = json.load(gzip.open(trace))["traceEvents"]
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+  names = xla_profile.op_table(hlo)
+  prof = xla_profile.thunk_times(lambda: jax.block_until_ready(run_phase(
+      "decode", graphdef, state, ids, lens, carry=carry, **kw).tokens), names)
+  wall, per_op, count = prof["wall_s"], prof["us"], prof["calls"]
   steps = N - 1
-  per_op, count = collections.Counter(), collections.Counter()
-  for e in events:
-    if e.get("ph") == "X" and e["name"] in names:
-      per_op[e["name"]] += e["dur"]
-      count[e["name"]] += 1
   cats = collections.Counter()
   V = BENCH_MODEL["vocab_size"]
   for op, us in per_op.items():
@@ -150,7 +103,7 @@ def profile(dtype: str, *, B: int = 8, P: int = 128, N: int = 128, cache=CacheCo
                     category=categorize(*names[op], V),
                     op_names=sorted(set(n.split("/")[-1] for n in names[op][0]))[:6])
                for op, us in per_op.most_common(top)],
-      contention=contention)
+      contention=prof["contention"])
 
 
 def main(argv=None):

@@ -61,7 +61,17 @@ process after its steps):
             bandwidth, measured in the same run (the best read + write rate of one pass over a
             256 MiB array, by numpy and by XLA:CPU);
   trace_and_lower_s   per program, what tracing and lowering it costs from empty in-memory
-            caches: what a rerun's first step pays before its persistent-cache lookups.
+            caches: what a rerun's first step pays before its persistent-cache lookups;
+  compile_s per program, XLA's compilation of that lowering with the persistent cache off
+            (what the first run pays on top);
+  imports_s a new interpreter importing `trm_jax.step` (JAX, Flax, optax), nothing run;
+  profile   of the learner program and of a rollout, one call each under `jax.profiler`
+            (`bench.xla_profile`): the thread time of each class of op and its share. The
+            learner's classes: attention's two einsums, every other op over attention's
+            [B, K, G, T, T] scores (mask, softmax, their gradients, layout copies), the other
+            matmuls, the rest; the rollout's: library matmuls and the rest, with the thunks
+            (XLA:CPU's units of execution) each decode step runs.
+`missed_because` in the JSON says, for each goal missed, what bounds it, in these numbers.
 
 Peers are imported from the `bench` extra's installs; nothing of theirs is copied here.
 """
@@ -280,9 +290,18 @@ def _ours_limits(ctx, state, mcfg) -> dict:
     walls.append(time.time() - t)
   peak = learner_bench.matmul_peak()
   upd_s = statistics.median(walls)
+  box = [(params, opt_state)]
+
+  def learner_call():
+    p, o, *aux = program(*box[0], ctx.rest, *data)
+    box[0] = (p, o)
+    jax.block_until_ready((p, o, aux))
   learner = dict(program=name, flops=flops, seconds=round(upd_s, 4),
                  gflops_per_s=round(flops / upd_s / 1e9, 2), matmul_peak=peak,
-                 fraction_of_peak=round(flops / upd_s / (peak["peak_gflops"] * 1e9), 4))
+                 fraction_of_peak=round(flops / upd_s / (peak["peak_gflops"] * 1e9), 4),
+                 profile=op_profile(program, learner_call, functools.partial(
+                     learner_category, T=int(data[0].tokens.shape[1]),
+                     G=mcfg.num_heads // mcfg.num_kv_heads)))
   # Decode: what a rollout's decode steps must read at least, from its own rows: every
   # parameter once per decode step (in the sampler's dtype), and at each decode query of
   # each row the keys and values it attends, over the memory bandwidth. A row of n response
@@ -311,16 +330,104 @@ def _ours_limits(ctx, state, mcfg) -> dict:
                 memory_bandwidth=bw, rollout_over_roofline=round(ratio, 2),
                 seconds_per_decode_step=round(statistics.median(
                     r["rollout_s"] / r["decode_steps"] for r in rows), 6))
+  last = {}
+
+  def rollout_call():
+    last["ro"] = S.dispatch_rollout(ctx, state).ro
+    jax.block_until_ready(last["ro"].tokens)
+  decode["profile"] = op_profile(ctx.programs["rollout"], rollout_call, rollout_category)
+  steps = int(last["ro"].stats.decode_steps)
+  decode["profile"].update(decode_steps=steps, thunks_per_decode_step=round(
+      decode["profile"]["thunks"] / steps, 1), thunk_us_per_decode_step=round(
+          decode["profile"]["summed_s"] / steps * 1e6, 1))
   # What a rerun's first step pays before its cache lookups: tracing and lowering every
   # program of the step (JAX keys its persistent cache by the lowered module), timed from
   # empty in-memory caches, as in a new process.
   jax.clear_caches()
-  trace = {}
+  trace, compile_s = {}, {}
   for p in ctx.programs:
     t = time.time()
-    p.lower()
+    lowered = p.lower()
     trace[p.name] = round(time.time() - t, 3)
-  return dict(learner=learner, decode=decode, trace_and_lower_s=trace)
+    # What the first run's step pays on top: XLA's compilation, the persistent cache off.
+    cache_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+      t = time.time()
+      lowered.compile()
+      compile_s[p.name] = round(time.time() - t, 3)
+    finally:
+      jax.config.update("jax_enable_compilation_cache", cache_on)
+  return dict(learner=learner, decode=decode, trace_and_lower_s=trace, compile_s=compile_s,
+              imports_s=import_seconds())
+
+
+# Op classes of the profiles (`op_profile`): an instruction is a matmul when XLA:CPU runs it
+# as a library dot (a `ynn_fusion` / `dot` thunk built from a dot_general); the learner's
+# attention ops are its two einsums (kernels/attention_ref.py) and every other op whose result
+# holds the [.., T, T] scores (a T x T or a (G T) x T pair of dimensions: the mask, the
+# softmax, their gradients and layout copies).
+ATTENTION_EINSUMS = ("BTKGH,BSKH->BKGTS", "BKGTS,BSKH->BTKGH")
+_CONTAINERS = ("while", "conditional", "call")     # their events hold their bodies' events
+
+
+def _is_matmul(inst: str, names) -> bool:
+  return inst.startswith(("ynn_fusion", "dot", "custom-call")) and any(
+      n.endswith("/dot_general") for n in names)
+
+
+def learner_category(inst: str, names, shape: str, *, T: int, G: int) -> str:
+  import re  # pylint: disable=g-import-not-at-top
+  dims = [int(d) for d in re.findall(r"\d+", shape.split("{")[0].split("[", 1)[-1])]
+  if _is_matmul(inst, names):
+    attn = any(spec in n for n in names for spec in ATTENTION_EINSUMS)
+    return "attention_matmul" if attn else "matmul"
+  if dims.count(T) >= 2 or (T in dims and G * T in dims):
+    return "attention_elementwise"
+  return "other"
+
+
+def rollout_category(inst: str, names, shape: str) -> str:
+  del shape
+  return "matmul" if _is_matmul(inst, names) else "other"
+
+
+def op_profile(program, call, category, top: int = 8) -> dict:
+  """`call()` (one run of `program`, blocking) under the profiler: each op class's summed
+  thunk seconds and share, the number of thunks run, and the `top` ops by time (loops and
+  conditionals are left out of the sums: their events contain their bodies')."""
+  from bench import xla_profile  # pylint: disable=g-import-not-at-top
+  names = xla_profile.op_table(program.lower().compile().as_text())
+  call()
+  prof = xla_profile.thunk_times(call, names)
+  leaves = {op: us for op, us in prof["us"].items() if not op.startswith(_CONTAINERS)}
+  cats = {}
+  for op, us in leaves.items():
+    c = category(op, *names[op])
+    cats[c] = cats.get(c, 0.0) + us / 1e6
+  total = sum(cats.values())
+  return dict(wall_s=round(prof["wall_s"], 4), summed_s=round(total, 4),
+              thunks=sum(n for op, n in prof["calls"].items() if op in leaves),
+              seconds=dict(sorted(((c, round(v, 4)) for c, v in cats.items()),
+                                  key=lambda kv: -kv[1])),
+              share={c: round(v / total, 3) for c, v in cats.items()},
+              top_ops=[dict(op=op, ms=round(us / 1e3, 2), calls=prof["calls"][op],
+                            shape=names[op][1].split("{")[0][:48],
+                            category=category(op, *names[op]))
+                       for op, us in sorted(leaves.items(), key=lambda kv: -kv[1])[:top]],
+              contended=prof["contention"]["contended"])
+
+
+def import_seconds(repeats: int = 3) -> float:
+  """Fastest wall time of a new interpreter importing what the trainer's step needs (JAX, Flax,
+  optax, the step module), nothing run: a floor under any new process's first step."""
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.time()
+    subprocess.run([sys.executable, "-c", "import trm_jax.step"], check=True,
+                   env=_env(None), capture_output=True)
+    best = min(best, time.time() - t)
+  return round(best, 3)
 
 
 def memory_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> dict:
@@ -710,6 +817,59 @@ def goals(shapes: dict) -> dict:
   return out
 
 
+def missed_because(shapes: dict) -> dict:
+  """For each goal `goals` finds missed, what bounds it, from this run's own measurements."""
+  met = goals(shapes)
+  out = {}
+  for goal, ok in met.items():
+    if ok is not False:
+      continue
+    shape = goal.split(":")[0]
+    res = shapes[shape]
+    ours = res["ours"]
+    lim = ours.get("limits") or {}
+    if "warm step" in goal:
+      peer = goal.split()[-1]
+      learner = ours["phases"]["median_s"]["learner"]
+      out[goal] = (f"ours' learner alone takes {learner:.3f} s of its {ours['warm_s']:.3f} s "
+                   f"step; with a rollout that took no time the step would be "
+                   f"{res[peer]['warm_s'] / learner:.2f}x {peer}'s {res[peer]['warm_s']:.3f} s")
+    elif "matmul peak" in goal and lim:
+      prof = lim["learner"]["profile"]
+      share = prof["share"]
+      out[goal] = (f"of the learner's op time, {share.get('attention_elementwise', 0):.0%} is "
+                   f"elementwise work and layout copies over attention's [B, K, G, T, T] "
+                   f"scores, {share.get('attention_matmul', 0):.0%} attention's two matmuls, "
+                   f"{share.get('matmul', 0):.0%} the other "
+                   f"matmuls, {share.get('other', 0):.0%} the rest; {prof['thunks']} thunks in "
+                   f"all")
+    elif "first step of a rerun" in goal and lim:
+      warm = ours["warm_s"]
+      trace = (f"tracing and lowering the step's programs (which the persistent cache's lookup "
+               f"needs) takes {sum(lim['trace_and_lower_s'].values()):.2f} s")
+      if "from launch" in goal:
+        trace = (f"a new interpreter importing the trainer's step takes {lim['imports_s']:.2f} "
+                 f"s and {trace}")
+      out[goal] = f"{trace}, above 2x warm = {2 * warm:.2f} s"
+    elif "first_s" in goal and lim:
+      comp = lim["compile_s"]
+      parts = ", ".join(f"{k} {v:.1f} s" for k, v in comp.items())
+      out[goal] = (f"compiling ours' programs takes {sum(comp.values()):.1f} s ({parts}); "
+                   f"ours' first step {ours['first_step_s']:.1f} s against Tunix's "
+                   f"{res['tunix']['first_step_s']:.1f} s, start-up {ours['startup_s']:.1f} s "
+                   f"against {res['tunix']['startup_s']:.1f} s")
+    elif "roofline" in goal and lim:
+      dec = lim["decode"]
+      prof = dec["profile"]
+      roof = statistics.median(r["roofline_s"] / r["decode_steps"] for r in dec["rollouts"])
+      out[goal] = (f"a decode step takes {dec['seconds_per_decode_step'] * 1e6:.0f} us against "
+                   f"{roof * 1e6:.0f} us of memory traffic; it runs "
+                   f"{prof['thunks_per_decode_step']:.0f} XLA thunks, "
+                   f"{prof['share']['matmul']:.0%} of their time in library matmuls of at most "
+                   f"{res['batch_size']} rows")
+  return out
+
+
 def plot(result: dict, path: str) -> None:
   """Seconds per warm step (bars, log scale) and to the first step (markers), by system and
   shape."""
@@ -795,6 +955,7 @@ def main(argv=None):
               "wall_s": round(time.time() - t0, 1), "shapes": shapes}
     if not args.smoke:
       result["goals"] = goals(shapes)
+      result["missed_because"] = missed_because(shapes)
       plot(result, os.path.splitext(args.out)[0] + ".png")
     hygiene.write_json(result, args.out)
     return result

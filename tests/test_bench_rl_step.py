@@ -30,3 +30,35 @@ def test_smoke_writes_the_benchmark_json(shared_run, tmp_path):
   assert set(phases["median_s"]) == {"rollout", "rewards", "learner"}
   assert ours["compiled_programs"] == ["rollout", "score_update"]
   assert sum(phases["share"].values()) == pytest.approx(1.0, abs=0.01)
+
+
+def test_op_profile_classes_the_attention_ops_of_a_backward_pass():
+  """`bench.rl_step.op_profile` on attention's backward pass: the reference attention's two
+  einsums are attention matmuls, the mask and softmax over [B, K, G, T, T] are attention's
+  elementwise work, and every op the profile times is an instruction of the compiled program."""
+  import jax
+  import jax.numpy as jnp
+
+  from bench import rl_step, xla_profile
+  from trm_jax.kernels.attention_ref import attention_reference
+  B, T, N, K, H = 2, 96, 4, 2, 16
+  ks = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(ks[0], (B, T, N, H))
+  k, v = (jax.random.normal(kk, (B, T, K, H)) for kk in ks[1:])
+  grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention_reference(q, k, v) ** 2),
+                          argnums=(0, 1, 2)))
+
+  class Program:                      # what op_profile reads of a trainer program
+    def lower(self):
+      return grad.lower(q, k, v)
+  names = xla_profile.op_table(Program().lower().compile().as_text())
+  prof = xla_profile.thunk_times(lambda: jax.block_until_ready(grad(q, k, v)), names)
+  assert prof["us"] and set(prof["us"]) <= set(names) and prof["wall_s"] > 0
+  p = rl_step.op_profile(Program(), lambda: jax.block_until_ready(grad(q, k, v)),
+                         lambda i, n, s: rl_step.learner_category(i, n, s, T=T, G=N // K))
+  assert {"attention_matmul", "attention_elementwise"} <= set(p["seconds"]), p
+  assert sum(p["share"].values()) == pytest.approx(1.0, abs=0.01)
+  assert p["thunks"] >= len(p["top_ops"]) > 0
+  scores = [o for o in p["top_ops"] if o["category"] == "attention_elementwise"]
+  assert all(f"{T},{T}]" in o["shape"] or f"{T},{T * N // K}]" in o["shape"] or
+             f"{T * N // K},{T}]" in o["shape"] for o in scores), scores
