@@ -149,6 +149,9 @@ def get_config(arg=None):
   c.rl.num_minibatches = 1         # optimizer steps per rollout batch, per epoch
   c.rl.num_epochs = 1
   c.rl.num_microbatches = 1        # gradient accumulation inside a minibatch
+  c.rl.score_microbatches = 1      # the scoring pass's rows in this many groups, one after
+                                   #   another (less memory; > 1 scores in its own program,
+                                   #   not inside the update)
   c.rl.objective = "trm_surrogate"  # trm_surrogate | ppo_clip | tis | gspo | cispo (token
                                    #   masking is the trm.criteria entry "token_mask"; the
                                    #   papers and usual settings: docs/algorithms.md)

@@ -186,6 +186,10 @@ def test_cli_rejects_inconsistent_batch_before_any_work(tmp_path):
     ("rollout.top_p", 0.0, "bad config value [rollout.top_p]: must be in (0, 1]"),
     ("rl.num_microbatches", 3, "inconsistent config [rl.batch_size, rl.num_minibatches, "
      "rl.num_microbatches]: minibatch of 64 sequences is not divisible by num_microbatches=3"),
+    ("rl.score_microbatches", 3, "inconsistent config [rl.batch_size, rl.score_microbatches]: "
+     "batch_size=64 is not divisible by score_microbatches=3"),
+    ("rl.score_microbatches", 0, "bad config value [rl.score_microbatches]: must be an integer "
+     ">= 1, got 0"),
     ("trm.criteria", ("trm_max_kl_typo",), "unknown criterion 'trm_max_kl_typo'"),
     ("eval_top_p", 1.5, "bad config value [eval_top_p]: must be in (0, 1]"),
     ("eval_every", -1, "bad config value [eval_every]: must be >= 0"),

@@ -4,8 +4,8 @@ One real RL step and one evaluation run in-process on the session's tiny base mo
 every `Program` call recorded: the programs the trainer calls are exactly the ones
 `trm_jax.aot` builds for the same config, and every call's inputs have the shapes, dtypes and
 shardings of the abstract inputs AOT compiles (so AOT compiles the trainer's program, not a
-look-alike). Colocated with the evaluation's dense and compressed programs and two
-minibatches (separate score and update programs), a sampler on its own devices with stale
+look-alike). Colocated with the evaluation's dense and compressed programs, two minibatches
+(separate score and update programs) and the scoring pass in two groups of rows, a sampler on its own devices with stale
 parameters and one update per batch (the learner's one `score_update` program), and the
 latter with LoRA adapters over an nf4 base and two minibatches (params, the stale copy and
 what each rollout sends are the adapters; the base rides in the model's other state, on the
@@ -69,6 +69,7 @@ def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch
   c.rl.num_minibatches, c.eval_problems, c.eval_samples = 2, 4, 1
   if variant == "colocated_smd_eval":
     c.rollout.cache.policy, c.rollout.cache.ratio, c.smd.mode = "h2o", 0.5, "smd"
+    c.rl.score_microbatches = 2          # the scoring pass over two groups of 8 rows
   elif variant == "disaggregated_stale":
     c.mesh.rollout_devices, c.rl.staleness, c.rollout.dtype = 2, 1, "bfloat16"
     # One update per batch: the step's learner is the one "score_update" program.
@@ -102,6 +103,8 @@ def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch
   compiled = setup.programs.programs
   assert sorted({name for name, _ in calls}) == sorted(compiled)
   assert ("score_update" in compiled) == (variant == "disaggregated_stale")
+  assert ctx.programs.lcfg.score_microbatches == setup.programs.lcfg.score_microbatches == (
+      2 if variant == "colocated_smd_eval" else 1)
   for name, sig in calls:
     assert _spec(sig) == _spec(_signature(compiled[name].args)), name
 

@@ -1,5 +1,5 @@
 """The learner step end to end on a tiny model: on-policy scoring, exact microbatch
-accumulation, an all-masked batch is a no-op, the reference-policy KL is wired, and a batch
+accumulation, scoring in row groups, an all-masked batch is a no-op, the reference-policy KL is wired, and a batch
 that gets one update is scored inside it (`make_score_update`) as the two passes would."""
 import jax
 import jax.numpy as jnp
@@ -102,6 +102,66 @@ def test_reference_kl_is_wired(setup):
   diff = max(float(jnp.max(jnp.abs(a - c)))
              for a, c in zip(jax.tree.leaves(new_kl), jax.tree.leaves(new_0)))
   assert diff > 1e-6
+
+
+def _assert_same_score(a, b):
+  logp, weights, seq_mask, metrics = a
+  logp_g, weights_g, seq_mask_g, metrics_g = b
+  np.testing.assert_allclose(np.asarray(logp_g), np.asarray(logp), atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(seq_mask_g), np.asarray(seq_mask))
+  np.testing.assert_allclose(np.asarray(weights_g), np.asarray(weights), atol=1e-6)
+  assert metrics_g.keys() == metrics.keys()
+  for k in metrics:
+    np.testing.assert_allclose(np.asarray(metrics_g[k]), np.asarray(metrics[k]), rtol=1e-4,
+                               atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_scoring_in_row_groups_is_scoring_the_batch(setup, groups):
+  """`score_microbatches`: the forward over groups of rows in turn gives the one-group pass's
+  log-probs, token weights, TRM mask and metrics (the mask and metrics see the whole batch), on
+  a policy that has moved from pi_roll so that TRM rejects some sequences."""
+  graphdef, params, rest, batch = setup
+  moved = jax.tree.map(lambda x: x + 0.02 * jax.random.normal(jax.random.key(5), x.shape),
+                       params)
+  kw = dict(mode="sparse_rl", criteria=("trm_max_kl",), thresholds=(("delta", 0.036),))
+  one, _ = make_learner(graphdef, optax.sgd(0.1), LearnerConfig(**kw), response_start=P)
+  grouped, _ = make_learner(graphdef, optax.sgd(0.1),
+                            LearnerConfig(**kw, score_microbatches=groups), response_start=P)
+  ref = one(moved, rest, batch)
+  assert 0 < float(ref[3]["trm/reject_rate"]) < 1
+  _assert_same_score(ref, grouped(moved, rest, batch))
+  with pytest.raises(ValueError, match="score_microbatches=3 must divide the batch's 8 rows"):
+    make_learner(graphdef, optax.sgd(0.1), LearnerConfig(**kw, score_microbatches=3),
+                 response_start=P)[0](moved, rest, batch)
+
+
+def test_scoring_in_row_groups_replays_routing_and_eviction_on_a_mesh():
+  """The same with every per-row input the scoring pass reads (routing replay of an MoE model,
+  SMD's eviction record) and the batch's rows split over 8 devices."""
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from trm_jax.rollout import CacheConfig  # pylint: disable=g-import-not-at-top
+  model = make_test_model(seed=1, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, model_type="qwen3_moe")
+  prompts = jax.random.randint(jax.random.key(2), (B, P), 3, 64)
+  lens = jnp.array([10, 7, 4, 10, 9, 5, 10, 8])
+  ro = generate(model, prompts, lens, max_new_tokens=N, key=jax.random.key(3), eos_ids=(),
+                record_routing=True, router_noise_scale=0.5, keep_full_logprobs=True,
+                cache=CacheConfig(policy="snapkv", ratio=0.5))
+  resp = ro.response_mask.astype(jnp.float32)
+  batch = LearnerBatch(tokens=ro.tokens, segment_ids=ro.segment_ids, response_mask=resp,
+                       logp_roll=ro.logp, advantages=jnp.ones((B,)), logp_old=ro.logp,
+                       token_weights=jnp.ones_like(resp), roll_logp_full=ro.full_logp,
+                       evicted_at=ro.evicted_at, routed_experts=ro.routed_experts)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+  batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  kw = dict(mode="smd", mode_kwargs=(("lam", 0.1),), criteria=("trm_max_kl",),
+            thresholds=(("delta", 1e-3),))
+  out = [make_learner(graphdef, optax.sgd(0.1), LearnerConfig(**kw, score_microbatches=m),
+                      response_start=P)[0](params, rest, batch) for m in (1, 2)]
+  assert "moe/replay_flip_rate" in out[0][3]
+  _assert_same_score(*out)
 
 
 @pytest.mark.parametrize("objective,mode,baseline", [

@@ -164,7 +164,8 @@ def test_oom_is_reraised_with_the_knobs_to_lower():
       raise jax.errors.JaxRuntimeError(
           "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
   msg = str(e.value)
-  for knob in ("rl.num_microbatches", "rl.chunk", "model.remat=True", "task.max_new_tokens"):
+  for knob in ("rl.num_microbatches", "rl.score_microbatches", "rl.chunk", "model.remat=True",
+               "task.max_new_tokens"):
     assert knob in msg
   assert "learner update" in msg and "1.00GiB" in msg
   # Any other runtime error passes through untouched.

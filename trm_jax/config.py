@@ -273,7 +273,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
            f"{c.rl.staleness}; use -1 (no bound) or a value >= rl.staleness")
   _positive_int(c, "model.moe_chunk", "total_steps", "log_every", "ckpt_every", "keep_ckpts",
                 "rl.batch_size", "rl.group_size", "rl.num_minibatches", "rl.num_microbatches",
-                "rl.num_epochs", "rl.chunk")
+                "rl.score_microbatches", "rl.num_epochs", "rl.chunk")
   _non_negative(c, "optim.lr", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
                 "optim.min_lr_ratio", "rl.kl_beta", "rl.max_consecutive_skips",
                 "rollout.logit_noise", "rollout.router_noise", "smd.lam",
@@ -306,6 +306,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(mb % r.num_microbatches == 0, ["rl.batch_size", "rl.num_minibatches",
                                           "rl.num_microbatches"],
            f"minibatch of {mb} sequences is not divisible by num_microbatches={r.num_microbatches}")
+  _require(r.batch_size % r.score_microbatches == 0, ["rl.batch_size", "rl.score_microbatches"],
+           f"batch_size={r.batch_size} is not divisible by score_microbatches="
+           f"{r.score_microbatches}")
   _require(c.eval_every >= 0, ["eval_every"], "must be >= 0 (0 = only at the end)")
   _require(c.eval_problems >= 0 and c.eval_samples >= 1, ["eval_problems", "eval_samples"],
            "need eval_problems >= 0 and eval_samples >= 1")

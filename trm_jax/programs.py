@@ -68,6 +68,8 @@ MEMORY_KNOBS = {
                 "rollout.cache.policy / ratio (a compressed cache has fewer slots)",
                 "mesh.fsdp / mesh.data (more chips share the rows) or mesh.tensor (kv heads)"),
     "score": ("rl.chunk (positions per [B, chunk, V] vocabulary projection)",
+              "rl.score_microbatches (raise it: the scoring pass runs its rows in that many "
+              "groups, one after another)",
               "rl.batch_size (the scoring pass runs the whole rollout batch)",
               "mesh.fsdp / mesh.data / mesh.tensor (more chips share rows, heads, vocabulary)",
               "model.moe_chunk (MoE with mesh.expert > 1: tokens per device per all-to-all)"),
@@ -95,6 +97,7 @@ def memory_knobs(program: str) -> tuple:
 
 
 OOM_KNOBS = ("rl.num_microbatches (raise it: smaller microbatches, same update)",
+             "rl.score_microbatches (raise it: the scoring pass's rows in groups, in turn)",
              "rl.chunk (lower it: fewer positions per vocabulary projection)",
              "model.remat=True (recompute block activations in the backward pass)",
              "task.max_new_tokens (shorter rollouts)",
@@ -115,7 +118,8 @@ def learner_config(c: ml_collections.ConfigDict, max_len: int) -> LearnerConfig:
   return LearnerConfig(objective=r.objective, loss_agg=r.loss_agg, objective_kwargs=kwargs,
                        max_len=max_len, criteria=tuple(c.trm.criteria), thresholds=thresholds,
                        mode=c.smd.mode, mode_kwargs=mode_kwargs,
-                       num_microbatches=r.num_microbatches, chunk=r.chunk,
+                       num_microbatches=r.num_microbatches,
+                       score_microbatches=r.score_microbatches, chunk=r.chunk,
                        attn_impl=c.model.attn_impl, temperature=float(c.rollout.temperature),
                        kl_beta=float(c.rl.kl_beta))
 

@@ -40,12 +40,14 @@ FREE_KEYS = ("log_every", "eval_every", "eval_problems", "eval_samples", "eval_t
 # Settings the config gained after runs were made, each at the value under which the code does
 # what it did before the setting existed: a run recorded without the key is not changed by a
 # config that holds it at this value (LoRA off, so its other keys are unread; the all-to-all
-# chunk, read only with mesh.expert > 1; long prompts refused, not dropped). Any other value,
-# or a key added later not listed here, counts as a change.
+# chunk, read only with mesh.expert > 1; long prompts refused, not dropped; the scoring
+# pass's rows in one group). Any other value, or a key added later not listed here, counts as
+# a change.
 ADDED_KEYS = {"model.lora.rank": 0, "model.lora.alpha": 32.0, "model.lora.base_quant": "none",
               "model.lora.export": "adapter", "model.lora.path": "",
               "model.lora.targets": ["q", "k", "v", "o", "gate", "up", "down"],
-              "model.moe_chunk": 4096, "task.drop_long_prompts": False}
+              "model.moe_chunk": 4096, "task.drop_long_prompts": False,
+              "rl.score_microbatches": 1}
 
 
 class WorkdirError(RuntimeError):

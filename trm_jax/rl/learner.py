@@ -58,6 +58,8 @@ class LearnerConfig:
   mode_kwargs: tuple = ()             # ((name, value), ...) of the mode's config_fields
                                       #   (the smd mode's distillation weight: (("lam", 0.1),))
   num_microbatches: int = 1
+  score_microbatches: int = 1         # the scoring pass's forward over this many groups of
+                                      #   rows in turn (`_score`)
   chunk: int = 128                    # positions per vocabulary projection
   attn_impl: str = "auto"
   temperature: float = 1.0            # the sampler's; pi_theta is scored at it (as verl does)
@@ -176,8 +178,27 @@ def _distills(cfg: LearnerConfig) -> bool:
 
 def _score(model: CausalLM, batch: LearnerBatch, cfg: LearnerConfig, P: int):
   """The scoring pass, (1)-(4) of the module docstring: (logp [B, T], token weights [B, T],
-  sequence mask [B], metrics)."""
-  terms, routing = _forward(model, batch, cfg, with_teacher=False, with_routing=True)
+  sequence mask [B], metrics).
+
+  With `cfg.score_microbatches` = M > 1 the forward (1) runs over M groups of B / M rows one
+  after another (`lax.map`), so the pass holds one group's activations instead of the batch's;
+  (2)-(4) then see the whole batch's per-token terms, so masks and metrics are the batch's.
+  Group m holds rows m, m + M, m + 2M, ...: with the batch's rows split over devices in
+  contiguous blocks (`sharding.put_batch`), every device keeps B / (M D) rows of each group,
+  where contiguous groups would each sit on a few devices and leave the rest idle."""
+  M = cfg.score_microbatches
+  if M == 1:
+    terms, routing = _forward(model, batch, cfg, with_teacher=False, with_routing=True)
+  else:
+    B = batch.tokens.shape[0]
+    if B % M:
+      raise ValueError(f"score_microbatches={M} must divide the batch's {B} rows")
+    groups = jax.tree.map(lambda x: jnp.moveaxis(x.reshape(B // M, M, *x.shape[1:]), 1, 0),
+                          batch)                                    # [M, B / M, ...]
+    out = jax.lax.map(lambda b: _forward(model, b, cfg, with_teacher=False,
+                                         with_routing=True), groups)
+    terms, routing = jax.tree.map(
+        lambda y: jnp.moveaxis(y, 0, 1).reshape(B, *y.shape[2:]), out)  # rows back in order
   return _score_terms(terms, routing, batch, cfg, P, model.config.num_experts)
 
 
@@ -316,8 +337,10 @@ def _normalizer(mb: LearnerBatch, cfg: LearnerConfig) -> jax.Array:
 
 def one_pass(cfg: LearnerConfig, *, minibatches: int, epochs: int) -> bool:
   """Whether a rollout batch can be scored inside its update (`make_score_update`): one
-  update of the whole batch, one microbatch, no frozen reference to score."""
-  return minibatches == epochs == cfg.num_microbatches == 1 and cfg.kl_beta == 0
+  update of the whole batch, one microbatch, one group of scored rows, no frozen reference to
+  score."""
+  return (minibatches == epochs == cfg.num_microbatches == cfg.score_microbatches == 1
+          and cfg.kl_beta == 0)
 
 
 def make_score_update(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
