@@ -64,6 +64,10 @@ def get_config(arg=None):
                                    #   adapters: A random, B zero, i.e. the base itself)
   c.model.lora.export = "adapter"  # workdir/hf at the end: "adapter" (PEFT: adapter_config.json
                                    #   + adapter_model.safetensors) or "merged" (a full model)
+  c.model.lora.sampler = "unmerged"  # rollouts and evaluations over base + adapters
+                                   #   ("unmerged"), or over W + (alpha / r) A B merged inside
+                                   #   each sampler call ("merged": a full copy of the weights
+                                   #   while it runs); docs/lora.md says which measures faster
   c.model.moe_chunk = 4096         # MoE with mesh.expert > 1: tokens per device per all-to-all
                                    #   (each chunk's receive buffer holds mesh.expert x chunk x
                                    #   top-k rows); more tokens are sent chunk by chunk

@@ -7,6 +7,7 @@
     merged export loads in transformers alike; importing the adapter gives back its arrays;
   * SMD's replay (the learner's masked track equals the rollout's log-probs) and MoE routing
     replay stay exact with adapters on (and the adapters change the policy: not vacuous);
+  * the merged sampler (`model.lora.sampler = "merged"`) samples what the unmerged one does;
   * adapters shard by the model's logical-axis rules;
   * the tiny trainer with `model.lora.rank=8` checkpoints only the adapters and their
     optimizer state, resumes bitwise after a preemption, exports a PEFT adapter that peft
@@ -233,6 +234,48 @@ def test_smd_replay_is_exact_with_adapters():
   assert np.abs(np.asarray(score(zero, rest, batch)[0] - ro.logp))[m].max() > 1e-2
 
 
+@pytest.mark.parametrize("base_quant", ["none", "nf4"])
+def test_merged_sampler_samples_the_policy_the_unmerged_one_does(base_quant):
+  """`model.lora.sampler = "merged"`: the sampler program merges W + (alpha / r) A B inside
+  itself and samples the plain model; with the same key it draws the unmerged sampler's
+  tokens with its log-probs to 1e-5 (fp32: only where the sum is rounded differs), through a
+  compressed cache as well, and the state it is given stays the adapters over the base."""
+  from trm_jax.programs import sampler_merge  # pylint: disable=g-import-not-at-top
+  from trm_jax.rollout import SamplingConfig  # pylint: disable=g-import-not-at-top
+  from trm_jax.rollout.sampler import make_generate  # pylint: disable=g-import-not-at-top
+  P, N = 16, 12
+  lens = np.array([16, 9, 5, 12], np.int32)
+  model = _random_adapters(make_test_model(seed=3, lora=LoraConfig(rank=4,
+                                                                   base_quant=base_quant)),
+                           scale=0.5)
+  graphdef, state = nnx.split(model)
+  scfg = SamplingConfig(max_new_tokens=N, eos_ids=(), temperature=0.9)
+  cache = CacheConfig(policy="snapkv", ratio=0.5, window=4, kernel=3)
+  c = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py"))
+  c.model.lora.rank = 4
+  assert sampler_merge(c) is None                       # the default: unmerged
+  c.model.lora.sampler = "merged"
+  assert sampler_merge(c) is lora.merged_sampler_state
+  args = (jnp.asarray(left_padded_prompts(lens, P)), jnp.asarray(lens), jax.random.key(7))
+  un = make_generate(graphdef, scfg, cache)(state, *args)
+  me = make_generate(graphdef, scfg, cache, merge=sampler_merge(c))(state, *args)
+  np.testing.assert_array_equal(np.asarray(me.tokens), np.asarray(un.tokens))
+  np.testing.assert_array_equal(np.asarray(me.evicted_at), np.asarray(un.evicted_at))
+  m = np.asarray(un.response_mask) > 0
+  assert np.abs(np.asarray(me.logp - un.logp))[m].max() <= 1e-5
+  # What the program samples from: the plain model (no adapters left), computing the LoRA
+  # model's logits; zero adapters would give the base, which samples other tokens.
+  plain = nnx.merge(*lora.merged_sampler_state(graphdef, state))
+  assert plain.config.lora is None and not nnx.state(plain, nnx.LoRAParam)
+  tokens, seg = un.tokens, un.segment_ids
+  np.testing.assert_allclose(np.asarray(_forward(plain, tokens, seg)),
+                             np.asarray(_forward(model, tokens, seg)), atol=1e-5)
+  zero = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.LoRAParam))
+  b0 = make_generate(graphdef, scfg, cache, merge=sampler_merge(c))(
+      nnx.merge_state(nnx.state(model), zero), *args)
+  assert (np.asarray(b0.tokens) != np.asarray(un.tokens)).any()
+
+
 def test_routing_replay_is_exact_with_adapters():
   """A Qwen3-MoE model with attention adapters, its experts frozen: replaying the sampler's
   expert choices (router jitter 0.5) gives the rollout's log-probs to 1e-5 on every row;
@@ -291,7 +334,9 @@ def test_config_refuses_bad_lora_settings():
       ("base_quant", "nf4", r"\[model.lora.rank, model.lora.base_quant\]: base_quant='nf4'"),
       ("path", "/a", r"\[model.lora.rank, model.lora.path\]"),
       ("alpha", 0.0, r"\[model.lora.alpha\]: must be a finite number > 0"),
-      ("export", "both", r"\[model.lora.export\]: unknown value 'both'")):
+      ("export", "both", r"\[model.lora.export\]: unknown value 'both'"),
+      ("sampler", "fused", r"\[model.lora.sampler\]: unknown value 'fused'; expected unmerged "
+                           r"or merged")):
     bad = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py"))
     bad.model.lora[key] = value
     with pytest.raises(config_lib.ConfigError, match=msg):

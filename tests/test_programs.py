@@ -7,9 +7,9 @@ shardings of the abstract inputs AOT compiles (so AOT compiles the trainer's pro
 look-alike). Colocated with the evaluation's dense and compressed programs, two minibatches
 (separate score and update programs) and the scoring pass in two groups of rows, a sampler on its own devices with stale
 parameters and one update per batch (the learner's one `score_update` program), and the
-latter with LoRA adapters over an nf4 base and two minibatches (params, the stale copy and
-what each rollout sends are the adapters; the base rides in the model's other state, on the
-sampler's devices once).
+latter with LoRA adapters over an nf4 base, merged inside the sampler's program, and two
+minibatches (params, the stale copy and what each rollout sends are the adapters; the base
+rides in the model's other state, on the sampler's devices once).
 """
 import jax
 import jax.numpy as jnp
@@ -74,8 +74,9 @@ def test_trainer_calls_exactly_the_programs_aot_compiles(shared_run, monkeypatch
     c.mesh.rollout_devices, c.rl.staleness, c.rollout.dtype = 2, 1, "bfloat16"
     # One update per batch: the step's learner is the one "score_update" program.
     c.eval_problems, c.rl.batch_size, c.rl.num_minibatches = 0, 24, 1
-  else:   # adapters over an nf4 base: the copies sent to the sampler are the adapters
-    c.model.lora.rank, c.model.lora.base_quant = 8, "nf4"
+  else:   # adapters over an nf4 base: the copies sent to the sampler are the adapters, which
+          # the merged sampler merges into the dequantized base inside its program
+    c.model.lora.rank, c.model.lora.base_quant, c.model.lora.sampler = 8, "nf4", "merged"
     c.mesh.rollout_devices, c.rl.staleness, c.rollout.dtype = 2, 1, "bfloat16"
     c.eval_problems, c.rl.batch_size = 0, 24
   calls = []

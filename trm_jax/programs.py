@@ -151,6 +151,15 @@ def lora_config(c: ml_collections.ConfigDict) -> Optional[LoraConfig]:
                     base_quant=lc.base_quant)
 
 
+def sampler_merge(c: ml_collections.ConfigDict):
+  """What a sampler program does to the model it is given first: with LoRA and
+  `model.lora.sampler = "merged"`, merge the adapters into the weights (inside the program);
+  else nothing (None)."""
+  if c.model.lora.rank and c.model.lora.sampler == "merged":
+    return lora.merged_sampler_state
+  return None
+
+
 def make_optimizer(c: ml_collections.ConfigDict):
   """AdamW with warm-up and cosine decay over every optimizer step of the run."""
   o = c.optim
@@ -344,7 +353,7 @@ def _eval_programs(c: ml_collections.ConfigDict, graphdef: nnx.GraphDef, roll, c
       name = f"eval_{'greedy' if n == 1 else 'sampled'}{suffix}"
       out[name] = Program(
           name=name, fn=make_generate(graphdef, eval_sampling(roll, c, n), cc,
-                                      c.model.attn_impl),
+                                      c.model.attn_impl, merge=sampler_merge(c)),
           mesh=mesh, args=(state_a, *_abstract_prompts(chunk, mesh, P=sizes.P)),
           resident=resident, calls=-(-rows // chunk), per="evaluation",
           loop_bounds=functools.partial(decode_schedule, chunk, sizes.P, sizes.R, cc,
@@ -420,8 +429,9 @@ def build(c: ml_collections.ConfigDict, model: nnx.Module, mesh: jax.sharding.Me
                              calls=calls, per=per, loop_bounds=loop_bounds)
 
   # Disaggregated, the sampler's devices hold only what the program takes.
+  merge = sampler_merge(c)
   add("rollout", make_generate(roll_graphdef, roll, cache, c.model.attn_impl,
-                               rollout_batching(c)), roll_mesh,
+                               rollout_batching(c), merge=merge), roll_mesh,
       (nnx.merge_state(roll_params, roll_rest), *prompts(B, roll_mesh)),
       learner_resident if sampler_mesh is None else (), 1,
       loop_bounds=functools.partial(decode_schedule, B, P, R, cache, rollout_batching(c)))

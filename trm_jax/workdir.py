@@ -45,6 +45,7 @@ FREE_KEYS = ("log_every", "eval_every", "eval_problems", "eval_samples", "eval_t
 # a change.
 ADDED_KEYS = {"model.lora.rank": 0, "model.lora.alpha": 32.0, "model.lora.base_quant": "none",
               "model.lora.export": "adapter", "model.lora.path": "",
+              "model.lora.sampler": "unmerged",
               "model.lora.targets": ["q", "k", "v", "o", "gate", "up", "down"],
               "model.moe_chunk": 4096, "task.drop_long_prompts": False,
               "rl.score_microbatches": 1}

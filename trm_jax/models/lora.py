@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -229,13 +229,14 @@ def _placement(model: nnx.Module):
   return lambda axes, shape: shd.named_sharding(mesh, axes, shape)
 
 
-def _rebuilt(model: nnx.Module, cfg, fill) -> nnx.Module:
+def _rebuilt(model: nnx.Module, cfg, fill, *, traced: bool = False) -> nnx.Module:
   """`type(model)(cfg)` built abstractly, each variable's value `fill(path, var, place)`
-  (`place` as `_placement`'s, on the model's devices)."""
+  (`place` as `_placement`'s, on the model's devices; None for a `traced` model, whose
+  arrays are a jitted program's, placed by the program)."""
   from trm_jax.models.decoder import abstract_model  # pylint: disable=g-import-not-at-top  (imports lora)
   graphdef, state = nnx.split(abstract_model(type(model), cfg))
   flat = nnx.to_flat_state(state)
-  place = _placement(model)
+  place = None if traced else _placement(model)
   for path, var in flat:
     var.set_value(fill(path, var, place))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
@@ -286,10 +287,11 @@ def with_adapters(model: nnx.Module, lcfg: LoraConfig, *, seed: int = 0) -> nnx.
   return _rebuilt(model, cfg, fill)
 
 
-def merged(model: nnx.Module) -> nnx.Module:
+def merged(model: nnx.Module, *, traced: bool = False) -> nnx.Module:
   """A LoRA model as the plain model it computes: each adapted weight W + (alpha / r) A B
   (in float32, then the parameter dtype), quantized weights dequantized, every other array
-  shared. What `hf_io.save_pretrained` writes for transformers."""
+  shared. What `hf_io.save_pretrained` writes for transformers, and (`traced`: the model's
+  arrays are a jitted program's) what the merged sampler runs (`merged_sampler_state`)."""
   lcfg = model.config.lora
   if lcfg is None:
     return model
@@ -304,8 +306,17 @@ def merged(model: nnx.Module) -> nnx.Module:
     ab = (adapter.a[...], adapter.b[...]) if adapter is not None else (None, None)
     fn = functools.partial(merge_weight, base_quant=lcfg.base_quant, scale=lcfg.scale,
                            dtype=dtype)
+    if traced:
+      return fn(*codes, *ab)
     return jax.jit(fn, out_shardings=place(shd.param_axes(var), var.shape))(*codes, *ab)
-  return _rebuilt(model, model.config.replace(lora=None), fill)
+  return _rebuilt(model, model.config.replace(lora=None), fill, traced=traced)
+
+
+def merged_sampler_state(graphdef: nnx.GraphDef, state) -> Tuple[nnx.GraphDef, Any]:
+  """Inside a jitted program: a LoRA model's (graph, state) -> the plain model's, every
+  adapted weight merged (`merged`). The merged sampler (`model.lora.sampler = "merged"`)
+  samples from it: one merge per rollout call, its weights a temporary of that program."""
+  return nnx.split(merged(nnx.merge(graphdef, state), traced=True))
 
 
 def merge_weight(w, w_scale, a, b, *, base_quant: str, scale: float, dtype) -> jax.Array:

@@ -261,12 +261,19 @@ def check_prompts(prompt_ids, prompt_lengths, *, group_size: int = 1
 
 def make_generate(graphdef, sampling_config: SamplingConfig,
                   cache_config: CacheConfig = CacheConfig(), attn_impl: str = "auto",
-                  batching: BatchingConfig = BatchingConfig()):
+                  batching: BatchingConfig = BatchingConfig(), merge=None):
   """jit(state, prompt_ids, prompt_lengths, key) -> Rollout: `generate_from_state` with its
   static settings bound, as one jitted program (`.lower(...)` compiles it ahead of time).
-  Its inputs are not checked: pass them through `check_prompts` first."""
-  return jax.jit(functools.partial(_generate_jit, graphdef, scfg=sampling_config,
-                                   ccfg=cache_config, bcfg=batching, attn_impl=attn_impl))
+  Its inputs are not checked: pass them through `check_prompts` first. `merge(graphdef,
+  state) -> (graphdef, state)`, when given, first turns the state into the model sampled
+  from, inside the program (`models.lora.merged_sampler_state`)."""
+  static = dict(scfg=sampling_config, ccfg=cache_config, bcfg=batching, attn_impl=attn_impl)
+  if merge is None:
+    return jax.jit(functools.partial(_generate_jit, graphdef, **static))
+
+  def generate_merged(state, prompt_ids, prompt_lengths, key):
+    return _generate_jit(*merge(graphdef, state), prompt_ids, prompt_lengths, key, **static)
+  return jax.jit(generate_merged)
 
 
 def stream_keys(key: jax.Array):
