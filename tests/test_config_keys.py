@@ -105,6 +105,7 @@ def test_every_config_key_is_read(tmp_path, monkeypatch, shared_run):
   # LoRA's settings, read when adapters are on (model.lora.rank > 0).
   c.model.lora.rank = 8
   train.add_adapters(c, from_pretrained(str(shared_run.base_dir)), str(shared_run.base_dir))
+  programs.sampler_merge(c)
 
   unread = sorted(keys - reads.read)
   assert not unread, f"config keys no code reads: {unread}"
