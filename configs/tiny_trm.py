@@ -64,10 +64,12 @@ def get_config(arg=None):
                                    #   adapters: A random, B zero, i.e. the base itself)
   c.model.lora.export = "adapter"  # workdir/hf at the end: "adapter" (PEFT: adapter_config.json
                                    #   + adapter_model.safetensors) or "merged" (a full model)
-  c.model.lora.sampler = "unmerged"  # rollouts and evaluations over base + adapters
-                                   #   ("unmerged"), or over W + (alpha / r) A B merged inside
-                                   #   each sampler call ("merged": a full copy of the weights
-                                   #   while it runs); docs/lora.md says which measures faster
+  c.model.lora.sampler = "auto"    # rollouts and evaluations over W + (alpha / r) A B merged
+                                   #   inside each sampler call ("merged": faster, measured in
+                                   #   docs/lora.md; a full-precision copy of the weights while
+                                   #   it runs), or over base + adapters ("unmerged"); "auto":
+                                   #   merged over a full-precision base, unmerged over a
+                                   #   quantized one (whose point is not to hold that copy)
   c.model.moe_chunk = 4096         # MoE with mesh.expert > 1: tokens per device per all-to-all
                                    #   (each chunk's receive buffer holds mesh.expert x chunk x
                                    #   top-k rows); more tokens are sent chunk by chunk

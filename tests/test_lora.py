@@ -252,8 +252,11 @@ def test_merged_sampler_samples_the_policy_the_unmerged_one_does(base_quant):
   scfg = SamplingConfig(max_new_tokens=N, eos_ids=(), temperature=0.9)
   cache = CacheConfig(policy="snapkv", ratio=0.5, window=4, kernel=3)
   c = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py"))
-  c.model.lora.rank = 4
-  assert sampler_merge(c) is None                       # the default: unmerged
+  c.model.lora.rank, c.model.lora.base_quant = 4, base_quant
+  # The default, "auto": merged over a full-precision base, unmerged over a quantized one.
+  assert sampler_merge(c) is (lora.merged_sampler_state if base_quant == "none" else None)
+  c.model.lora.sampler = "unmerged"
+  assert sampler_merge(c) is None
   c.model.lora.sampler = "merged"
   assert sampler_merge(c) is lora.merged_sampler_state
   args = (jnp.asarray(left_padded_prompts(lens, P)), jnp.asarray(lens), jax.random.key(7))
@@ -334,8 +337,8 @@ def test_config_refuses_bad_lora_settings():
       ("path", "/a", r"\[model.lora.rank, model.lora.path\]"),
       ("alpha", 0.0, r"\[model.lora.alpha\]: must be a finite number > 0"),
       ("export", "both", r"\[model.lora.export\]: unknown value 'both'"),
-      ("sampler", "fused", r"\[model.lora.sampler\]: unknown value 'fused'; expected unmerged "
-                           r"or merged")):
+      ("sampler", "fused", r"\[model.lora.sampler\]: unknown value 'fused'; expected auto, "
+                           r"merged or unmerged")):
     bad = config_lib.load_config(os.path.join(ROOT, "configs", "tiny_trm.py"))
     bad.model.lora[key] = value
     with pytest.raises(config_lib.ConfigError, match=msg):

@@ -390,8 +390,8 @@ def _validate_lora(c: ml_collections.ConfigDict) -> None:
            f"unknown value {lc.base_quant!r}; expected one of {', '.join(BASE_QUANTS)}")
   _require(lc.export in ("adapter", "merged"), ["model.lora.export"],
            f"unknown value {lc.export!r}; expected adapter or merged")
-  _require(lc.sampler in ("unmerged", "merged"), ["model.lora.sampler"],
-           f"unknown value {lc.sampler!r}; expected unmerged or merged")
+  _require(lc.sampler in ("auto", "merged", "unmerged"), ["model.lora.sampler"],
+           f"unknown value {lc.sampler!r}; expected auto, merged or unmerged")
   if lc.rank == 0:
     _require(lc.base_quant == "none", ["model.lora.rank", "model.lora.base_quant"],
              f"base_quant={lc.base_quant!r} quantizes the frozen base under LoRA adapters; "

@@ -153,11 +153,11 @@ def lora_config(c: ml_collections.ConfigDict) -> Optional[LoraConfig]:
 
 def sampler_merge(c: ml_collections.ConfigDict):
   """What a sampler program does to the model it is given first: with LoRA and
-  `model.lora.sampler = "merged"`, merge the adapters into the weights (inside the program);
-  else nothing (None)."""
-  if c.model.lora.rank and c.model.lora.sampler == "merged":
-    return lora.merged_sampler_state
-  return None
+  `model.lora.sampler` "merged" ("auto" over a base that is not quantized), merge the
+  adapters into the weights (inside the program); else nothing (None)."""
+  lc = c.model.lora
+  merged = lc.sampler == "merged" or (lc.sampler == "auto" and lc.base_quant == "none")
+  return lora.merged_sampler_state if lc.rank and merged else None
 
 
 def make_optimizer(c: ml_collections.ConfigDict):
