@@ -417,7 +417,7 @@ def test_program_that_does_not_fit_exits_1_naming_its_knobs(tmp_path):
 @pytest.mark.parametrize("args,msg", [
     (["--config.rl.num_microbatchez=4"], "error: unknown config key 'rl.num_microbatchez' "
      "(from '--config.rl.num_microbatchez=4'); did you mean rl.num_microbatches, "
-     "rl.num_minibatches, rl.num_epochs?"),
+     "rl.num_minibatches, rl.score_microbatches?"),
     (["--topology", "v9x:2x2"], "error: topology 'v9x:2x2': unknown TPU generation 'v9x'; "
      "known: v4, v5e, v5p, v6e"),
     (["--topology", "v5e:3x3"], "error: topology 'v5e:3x3': INVALID_ARGUMENT: Topology layout "

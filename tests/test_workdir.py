@@ -166,6 +166,15 @@ def test_config_changes_name_trajectory_keys_only():
   assert wd.config_changes({"model": {}}, added) == {"model.lora.rank": (None, 8)}
   assert wd.config_changes({"model": {"moe_chunk": 4096}}, {"model": {}}) == {
       "model.moe_chunk": (4096, None)}
+  # LoRA off: its other settings are unread, so a new one at any value changes nothing; with
+  # LoRA on, the sampler of a run made before the setting existed was the unmerged one.
+  sampler = {"model": {"lora": {"rank": 0, "sampler": "auto"}}}
+  assert wd.config_changes({"model": {"lora": {"rank": 0}}}, sampler) == {}
+  sampler["model"]["lora"]["rank"] = 8
+  assert wd.config_changes({"model": {"lora": {"rank": 8}}}, sampler) == {
+      "model.lora.sampler": (None, "auto")}
+  sampler["model"]["lora"]["sampler"] = "unmerged"
+  assert wd.config_changes({"model": {"lora": {"rank": 8}}}, sampler) == {}
 
 
 def test_prepare_creates_and_probes(tmp_path):

@@ -39,10 +39,11 @@ FREE_KEYS = ("log_every", "eval_every", "eval_problems", "eval_samples", "eval_t
 
 # Settings the config gained after runs were made, each at the value under which the code does
 # what it did before the setting existed: a run recorded without the key is not changed by a
-# config that holds it at this value (LoRA off, so its other keys are unread; the all-to-all
-# chunk, read only with mesh.expert > 1; long prompts refused, not dropped; the scoring
-# pass's rows in one group). Any other value, or a key added later not listed here, counts as
-# a change.
+# config that holds it at this value (the sampler of a LoRA run made before it was a setting
+# was unmerged; the all-to-all chunk is read only with mesh.expert > 1; long prompts were
+# refused, not dropped; the scoring pass's rows were one group), nor, while LoRA is off
+# (rank 0), by any value of a LoRA key, which nothing then reads. Any other value, or a key
+# added later not listed here, counts as a change.
 ADDED_KEYS = {"model.lora.rank": 0, "model.lora.alpha": 32.0, "model.lora.base_quant": "none",
               "model.lora.export": "adapter", "model.lora.path": "",
               "model.lora.sampler": "unmerged",
@@ -163,7 +164,8 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, 
   out = {}
   for key in sorted(set(a) | set(b)):
     va, vb = a.get(key, missing), b.get(key, missing)
-    if va is missing and key in ADDED_KEYS and vb == ADDED_KEYS[key]:   # flatten: lists
+    if va is missing and key in ADDED_KEYS and (vb == ADDED_KEYS[key] or (   # flatten: lists
+        key.startswith("model.lora.") and b.get("model.lora.rank") == 0)):   # LoRA off: unread
       continue
     if va != vb and not _free(key):
       out[key] = tuple(None if v is missing else v for v in (va, vb))
