@@ -81,6 +81,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -274,32 +275,32 @@ def _ours_limits(ctx, state, mcfg) -> dict:
   from trm_jax.aot import hlo_cost  # pylint: disable=g-import-not-at-top
   name = "score_update" if "score_update" in ctx.programs.programs else "update"
   program = ctx.programs[name]
-  flops = hlo_cost.program_cost(program.lower().compile())["flops"]
+  compiled = program.lower().compile()
+  flops = hlo_cost.program_cost(compiled)["flops"]
   fl = S.dispatch_rollout(ctx, state)
   if name == "update":
     data = (S.score_rollout(ctx, state.params, fl.ro)[0],)
   else:
     data = (S.learner_batch(ctx, fl.ro), S.shd.put_batch(
         np.zeros(fl.ro.tokens.shape[:1], np.float32), ctx.mesh))
-  params, opt_state = jax.tree.map(jnp.copy, (state.params, state.opt_state))
+  learner_state = [jax.tree.map(jnp.copy, (state.params, state.opt_state))]
+
+  def learner_call():
+    """One update from the last one's state (the program donates it)."""
+    params, opt_state, *aux = program(*learner_state[0], ctx.rest, *data)
+    learner_state[0] = (params, opt_state)
+    jax.block_until_ready((params, opt_state, aux))
   walls = []
   for _ in range(5):
     t = time.time()
-    params, opt_state, *aux = program(params, opt_state, ctx.rest, *data)
-    jax.block_until_ready((params, opt_state, aux))
+    learner_call()
     walls.append(time.time() - t)
   peak = learner_bench.matmul_peak()
   upd_s = statistics.median(walls)
-  box = [(params, opt_state)]
-
-  def learner_call():
-    p, o, *aux = program(*box[0], ctx.rest, *data)
-    box[0] = (p, o)
-    jax.block_until_ready((p, o, aux))
   learner = dict(program=name, flops=flops, seconds=round(upd_s, 4),
                  gflops_per_s=round(flops / upd_s / 1e9, 2), matmul_peak=peak,
                  fraction_of_peak=round(flops / upd_s / (peak["peak_gflops"] * 1e9), 4),
-                 profile=op_profile(program, learner_call, functools.partial(
+                 profile=op_profile(compiled.as_text(), learner_call, functools.partial(
                      learner_category, T=int(data[0].tokens.shape[1]),
                      G=mcfg.num_heads // mcfg.num_kv_heads)))
   # Decode: what a rollout's decode steps must read at least, from its own rows: every
@@ -312,11 +313,16 @@ def _ours_limits(ctx, state, mcfg) -> dict:
                     for x in jax.tree.leaves(state.params))
   kv_per_key = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * itemsize
   bw = memory_bandwidth()
+
+  def rollout_call():
+    """One rollout batch, blocking; returns its Rollout."""
+    ro = S.dispatch_rollout(ctx, state).ro
+    jax.block_until_ready(ro.tokens)
+    return ro
   rows = []
   for _ in range(3):
     t = time.time()
-    ro = S.dispatch_rollout(ctx, state).ro
-    jax.block_until_ready(ro.tokens)
+    ro = rollout_call()
     wall = time.time() - t
     prompt = np.asarray(ro.prompt_lengths, np.float64)
     q = np.maximum(np.asarray(ro.response_lengths, np.float64) - 1, 0)  # decode queries
@@ -330,13 +336,10 @@ def _ours_limits(ctx, state, mcfg) -> dict:
                 memory_bandwidth=bw, rollout_over_roofline=round(ratio, 2),
                 seconds_per_decode_step=round(statistics.median(
                     r["rollout_s"] / r["decode_steps"] for r in rows), 6))
-  last = {}
-
-  def rollout_call():
-    last["ro"] = S.dispatch_rollout(ctx, state).ro
-    jax.block_until_ready(last["ro"].tokens)
-  decode["profile"] = op_profile(ctx.programs["rollout"], rollout_call, rollout_category)
-  steps = int(last["ro"].stats.decode_steps)
+  # Every rollout of the same prompts and key decodes as many steps (the three above agree).
+  decode["profile"] = op_profile(ctx.programs["rollout"].lower().compile().as_text(),
+                                 rollout_call, rollout_category)
+  steps = rows[-1]["decode_steps"]
   decode["profile"].update(decode_steps=steps, thunks_per_decode_step=round(
       decode["profile"]["thunks"] / steps, 1), thunk_us_per_decode_step=round(
           decode["profile"]["summed_s"] / steps * 1e6, 1))
@@ -377,7 +380,6 @@ def _is_matmul(inst: str, names) -> bool:
 
 
 def learner_category(inst: str, names, shape: str, *, T: int, G: int) -> str:
-  import re  # pylint: disable=g-import-not-at-top
   dims = [int(d) for d in re.findall(r"\d+", shape.split("{")[0].split("[", 1)[-1])]
   if _is_matmul(inst, names):
     attn = any(spec in n for n in names for spec in ATTENTION_EINSUMS)
@@ -392,12 +394,12 @@ def rollout_category(inst: str, names, shape: str) -> str:
   return "matmul" if _is_matmul(inst, names) else "other"
 
 
-def op_profile(program, call, category, top: int = 8) -> dict:
-  """`call()` (one run of `program`, blocking) under the profiler: each op class's summed
-  thunk seconds and share, the number of thunks run, and the `top` ops by time (loops and
-  conditionals are left out of the sums: their events contain their bodies')."""
+def op_profile(hlo: str, call, category, top: int = 8) -> dict:
+  """`call()` (one run of the program compiled as `hlo`, blocking) under the profiler: each op
+  class's summed thunk seconds and share, the number of thunks run, and the `top` ops by time
+  (loops and conditionals are left out of the sums: their events contain their bodies')."""
   from bench import xla_profile  # pylint: disable=g-import-not-at-top
-  names = xla_profile.op_table(program.lower().compile().as_text())
+  names = xla_profile.op_table(hlo)
   call()
   prof = xla_profile.thunk_times(call, names)
   leaves = {op: us for op, us in prof["us"].items() if not op.startswith(_CONTAINERS)}
