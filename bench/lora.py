@@ -82,7 +82,7 @@ def _models(cfg: ModelConfig):
 
 
 def sampler(shape: dict, repeats: int) -> dict:
-  plain, adapted = _models(shape["model"])
+  _, adapted = _models(shape["model"])
   V, B, P, R = shape["model"].vocab_size, shape["B"], shape["P"], shape["R"]
   g = shape["batching"].group_size          # a group's rows share their prompt
   ids = jnp.asarray(np.repeat(np.random.default_rng(1).integers(3, V, (B // g, P)), g, 0),
